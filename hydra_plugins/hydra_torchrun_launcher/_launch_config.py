@@ -1,0 +1,180 @@
+"""Build torch's `LaunchConfig` for one job, for whichever torch is installed.
+
+The earlier torchrun launchers broke on torch upgrades because they either passed fields
+`LaunchConfig` had dropped or went through `torchrun`'s argparse namespace. Here the fields
+of the installed `LaunchConfig` are read off the dataclass itself: a key torch lacks is
+ignored while it has its default and refused, by name, when a user sets it.
+"""
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Set
+
+import torch
+from torch.distributed.launcher.api import LaunchConfig
+
+from ._settings import JobSettings, LauncherConfigError
+
+# plugin keys -> the LaunchConfig field that carries each (when torch has it)
+_FIELD_OF_KEY = {
+    "log_line_prefix_template": "log_line_prefix_template",
+    "event_log_handler": "event_log_handler",
+    "signals_to_handle": "signals_to_handle",
+    "duplicate_stdout_filters": "duplicate_stdout_filters",
+    "duplicate_stderr_filters": "duplicate_stderr_filters",
+    "virtual_local_rank": "virtual_local_rank",
+    "shutdown_timeout": "shutdown_timeout",
+    "numa_binding": "numa_options",
+    "local_addr": "local_addr",
+    "local_ranks_filter": "logs_specs",
+    "logs_specs": "logs_specs",
+}
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    backend: str
+    endpoint: str
+    run_id: str
+    configs: Dict[str, Any]
+
+
+def launch_config_fields() -> Set[str]:
+    return {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def rendezvous_for(settings: JobSettings, sweep_key: str, job_num: int) -> Rendezvous:
+    """The rendezvous of one job: never a fixed port, never an id shared with another job.
+
+    A single-node job with no endpoint or port given rendezvouses over c10d on an
+    OS-chosen port, as `torchrun --standalone` does, so concurrent jobs and sweeps on a
+    host cannot collide. Multi-node jobs derive their id from the sweep and the job number,
+    which every node computes alike, so nodes cannot join another job's rendezvous.
+    """
+    conf = settings.conf
+    base_id = conf.rdzv_id or hashlib.sha1(sweep_key.encode()).hexdigest()[:12]
+    run_id = f"{base_id}_{job_num}"
+    configs = dict(settings.rdzv_conf)
+    single_node_default = (
+        conf.rdzv_backend == "static"
+        and not conf.rdzv_endpoint
+        and conf.master_port is None
+        and settings.max_nodes == 1
+    )
+    if conf.standalone or single_node_default:
+        return Rendezvous("c10d", "localhost:0", run_id, configs)
+    if conf.rdzv_backend == "static":
+        if not conf.rdzv_endpoint and conf.master_port is None:
+            raise LauncherConfigError(
+                "hydra.launcher.master_port=None is invalid for a multi-node static rendezvous: "
+                "set master_port (or rdzv_endpoint), or use rdzv_backend=c10d"
+            )
+        endpoint = conf.rdzv_endpoint or f"{conf.master_addr}:{conf.master_port}"
+        configs["rank"] = conf.node_rank
+        return Rendezvous("static", endpoint, run_id, configs)
+    if not conf.rdzv_endpoint:
+        raise LauncherConfigError(
+            f"hydra.launcher.rdzv_endpoint is empty: rdzv_backend={conf.rdzv_backend} needs host:port"
+        )
+    return Rendezvous(conf.rdzv_backend, conf.rdzv_endpoint, run_id, configs)
+
+
+def check_supported(settings: JobSettings) -> None:
+    """Refuse, by name, a key the user set that the installed torch cannot honour."""
+    have = launch_config_fields()
+    for key, value in settings.changed_from_default().items():
+        field_name = _FIELD_OF_KEY.get(key)
+        if field_name is not None and field_name not in have:
+            raise LauncherConfigError(
+                f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
+                f"{torch.__version__}; leave it at its default or upgrade torch"
+            )
+
+
+def local_world_size(settings: JobSettings) -> int:
+    """nproc_per_node as torchrun reads it (gpu / cpu / auto / xpu counted by torch itself)."""
+    value = settings.conf.nproc_per_node
+    if isinstance(value, int) or str(value).isdigit():
+        return int(value)
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return int(determine_local_world_size(str(value)))
+    except ValueError as e:
+        raise LauncherConfigError(f"hydra.launcher.nproc_per_node={value!r} is invalid here: {e}") from e
+
+
+def build_launch_config(
+    settings: JobSettings,
+    rendezvous: Rendezvous,
+    nproc_per_node: int,
+    log_dir: str,
+) -> LaunchConfig:
+    conf = settings.conf
+    have = launch_config_fields()
+    kwargs: Dict[str, Any] = dict(
+        min_nodes=settings.min_nodes,
+        max_nodes=settings.max_nodes,
+        nproc_per_node=nproc_per_node,
+        run_id=rendezvous.run_id,
+        role=conf.role,
+        rdzv_endpoint=rendezvous.endpoint,
+        rdzv_backend=rendezvous.backend,
+        rdzv_configs=rendezvous.configs,
+        max_restarts=conf.max_restarts,
+        monitor_interval=conf.monitor_interval,
+        start_method=conf.start_method,
+    )
+    optional = {
+        "local_addr": conf.local_addr,
+        "event_log_handler": conf.event_log_handler,
+        "signals_to_handle": conf.signals_to_handle,
+        "duplicate_stdout_filters": conf.duplicate_stdout_filters,
+        "duplicate_stderr_filters": conf.duplicate_stderr_filters,
+        "virtual_local_rank": conf.virtual_local_rank,
+        "shutdown_timeout": conf.shutdown_timeout,
+        "log_line_prefix_template": conf.log_line_prefix_template
+        or os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+    }
+    kwargs.update({name: value for name, value in optional.items() if name in have})
+    if "numa_options" in have and conf.numa_binding is not None:
+        kwargs["numa_options"] = _numa_options(conf.numa_binding)
+    if "logs_specs" in have:
+        kwargs["logs_specs"] = _logs_specs(settings, log_dir)
+    else:
+        from torch.distributed.elastic.multiprocessing import Std
+
+        kwargs.update(
+            log_dir=log_dir,
+            redirects=Std.from_str(str(conf.redirects)),
+            tee=Std.from_str(str(conf.tee)),
+        )
+    return LaunchConfig(**kwargs)
+
+
+def _logs_specs(settings: JobSettings, log_dir: str) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    conf = settings.conf
+    specs_class: Any = DefaultLogsSpecs
+    if conf.logs_specs is not None:
+        from torch.distributed.run import _get_logs_specs_class
+
+        try:
+            specs_class = _get_logs_specs_class(conf.logs_specs)
+        except ValueError as e:
+            raise LauncherConfigError(f"hydra.launcher.logs_specs={conf.logs_specs!r} is invalid: {e}") from e
+    return specs_class(
+        log_dir=log_dir,
+        redirects=Std.from_str(str(conf.redirects)),
+        tee=Std.from_str(str(conf.tee)),
+        local_ranks_filter=settings.local_ranks_filter,
+    )
+
+
+def _numa_options(binding: str) -> Optional[Any]:
+    from torch.numa.binding import AffinityMode, NumaOptions
+
+    return NumaOptions(affinity_mode=AffinityMode(binding))

@@ -1,0 +1,168 @@
+"""A sweep job's launcher settings: resolved from that job's config and checked.
+
+Every check here runs before any process of the sweep starts, and every refusal is one
+line naming the key at fault and what it accepts. Nothing here needs torch.
+"""
+
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import TorchrunLauncherConf
+
+START_METHODS = ("forkserver", "spawn", "fork")
+NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+CLUSTERS = ("auto", "none", "slurm")
+_STD_SPEC = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")
+_SIGNAL_NAME = re.compile(r"^SIG[A-Z0-9]+$")
+
+
+class LauncherConfigError(ValueError):
+    """A launcher setting a user gave that cannot work; its message names the key."""
+
+
+def _refuse(key: str, value: Any, allowed: str) -> LauncherConfigError:
+    return LauncherConfigError(f"hydra.launcher.{key}={value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """The launcher config of one sweep job, plus the values derived from it."""
+
+    conf: TorchrunLauncherConf
+    min_nodes: int
+    max_nodes: int
+    rdzv_conf: Dict[str, Any]
+    local_ranks_filter: Optional[Set[int]]
+
+    def changed_from_default(self) -> Dict[str, Any]:
+        """Keys whose value differs from the plugin's default (to refuse unsupported ones)."""
+        default = asdict(TorchrunLauncherConf())
+        return {k: v for k, v in asdict(self.conf).items() if v != default[k]}
+
+
+def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
+    """Resolve `hydra.launcher` of one job's config (its interpolations included) and check it."""
+    raw = OmegaConf.to_container(launcher_cfg, resolve=True)
+    assert isinstance(raw, dict)
+    known = {f.name for f in fields(TorchrunLauncherConf)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise LauncherConfigError(
+            f"hydra.launcher.{unknown[0]} is not a key of the torchrun launcher "
+            f"(keys: {', '.join(sorted(k for k in known if not k.startswith('_')))})"
+        )
+    conf = TorchrunLauncherConf(**raw)
+    min_nodes, max_nodes = parse_nnodes(conf.nnodes)
+    _check_nproc(conf.nproc_per_node)
+    _check_scalars(conf)
+    return JobSettings(
+        conf=conf,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        rdzv_conf=parse_rdzv_conf(conf.rdzv_conf),
+        local_ranks_filter=parse_local_ranks_filter(conf.local_ranks_filter),
+    )
+
+
+def parse_nnodes(value: Any) -> Tuple[int, int]:
+    allowed = "use N or MIN:MAX with 0 < MIN <= MAX"
+    parts = str(value).split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise _refuse("nnodes", value, allowed)
+    low, high = int(parts[0]), int(parts[-1])
+    if not 0 < low <= high:
+        raise _refuse("nnodes", value, allowed)
+    return low, high
+
+
+def _check_nproc(value: Any) -> None:
+    if isinstance(value, bool):
+        raise _refuse("nproc_per_node", value, "use a positive int or one of " + ", ".join(NPROC_WORDS))
+    if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+        if int(value) > 0:
+            return
+    elif isinstance(value, str) and value in NPROC_WORDS:
+        return
+    raise _refuse("nproc_per_node", value, "use a positive int or one of " + ", ".join(NPROC_WORDS))
+
+
+def parse_rdzv_conf(value: Any) -> Dict[str, Any]:
+    """torchrun's `key=value,key=value` (or a mapping) as a dict."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    config: Dict[str, Any] = {}
+    for item in str(value).split(","):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip() or not val.strip():
+            raise _refuse("rdzv_conf", value, "use key=value,key=value")
+        config[key.strip()] = val.strip()
+    return config
+
+
+def parse_local_ranks_filter(value: str) -> Optional[Set[int]]:
+    if not value:
+        return None
+    items = [v.strip() for v in str(value).split(",")]
+    if not all(v.isdigit() for v in items):
+        raise _refuse("local_ranks_filter", value, "use a comma-separated list of local ranks, e.g. 0,1")
+    return {int(v) for v in items}
+
+
+def _check_scalars(conf: TorchrunLauncherConf) -> None:
+    checks = [
+        ("start_method", conf.start_method in START_METHODS, "use one of " + ", ".join(START_METHODS)),
+        ("max_restarts", conf.max_restarts >= 0, "use an int >= 0"),
+        ("monitor_interval", conf.monitor_interval > 0, "use a number of seconds > 0"),
+        ("shutdown_timeout", conf.shutdown_timeout >= 0, "use a number of seconds >= 0"),
+        ("node_rank", 0 <= conf.node_rank, "use an int >= 0"),
+        ("redirects", _STD_SPEC.match(str(conf.redirects)) is not None, "use 0-3 or LOCAL_RANK:0-3,..."),
+        ("tee", _STD_SPEC.match(str(conf.tee)) is not None, "use 0-3 or LOCAL_RANK:0-3,..."),
+        ("parallel_jobs", conf.parallel_jobs >= 1, "use an int >= 1"),
+        ("cluster", conf.cluster in CLUSTERS, "use one of " + ", ".join(CLUSTERS)),
+        (
+            "master_port",
+            conf.master_port is None or 0 < conf.master_port < 65536,
+            "use null (a free port per job) or a port 1-65535",
+        ),
+        (
+            "job_timeout",
+            conf.job_timeout is None or conf.job_timeout > 0,
+            "use null (no limit) or a number of seconds > 0",
+        ),
+        (
+            "numa_binding",
+            conf.numa_binding is None or conf.numa_binding in NUMA_BINDINGS,
+            "use null or one of " + ", ".join(NUMA_BINDINGS),
+        ),
+        (
+            "signals_to_handle",
+            all(_SIGNAL_NAME.match(s.strip()) for s in conf.signals_to_handle.split(",")),
+            "use signal names separated by commas, e.g. SIGTERM,SIGINT",
+        ),
+        (
+            "module",
+            not (conf.module and conf.no_python),
+            "module and no_python cannot both be true",
+        ),
+    ]
+    for key, ok, allowed in checks:
+        if not ok:
+            raise _refuse(key, getattr(conf, key), allowed)
+    if conf.training_script is None:
+        for key in ("module", "no_python", "run_path"):
+            if getattr(conf, key):
+                raise _refuse(key, True, "only applies with hydra.launcher.training_script set")
+        if conf.training_script_args:
+            raise _refuse(
+                "training_script_args",
+                conf.training_script_args,
+                "only applies with hydra.launcher.training_script set",
+            )
+    if conf.devices is not None and len(set(map(str, conf.devices))) != len(conf.devices):
+        raise _refuse("devices", conf.devices, "list each device id once")

@@ -1,0 +1,85 @@
+"""Structured config of `hydra/launcher=torchrun`.
+
+Hydra imports this module on every run of every app (plugin discovery), so it must stay
+cheap: dataclasses and the ConfigStore only, never torch. The keys mirror torchrun's flags
+(underscore spelling) so that a torchrun command line translates key for key; values are
+checked when a sweep is launched, in `_settings`.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class TorchrunLauncherConf:
+    _target_: str = "hydra_plugins.hydra_torchrun_launcher.torchrun_launcher.TorchrunLauncher"
+
+    # --- torchrun's flags ---
+    # "N" or "MIN:MAX"
+    nnodes: Any = 1
+    # int, or gpu / cpu / auto / xpu as torchrun accepts
+    nproc_per_node: Any = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    # null: an id of its own for every sweep job (derived from the sweep and the job number)
+    rdzv_id: Optional[str] = None
+    # "key=value,key=value" as torchrun takes it, or a mapping
+    rdzv_conf: Any = ""
+    standalone: bool = False
+    max_restarts: int = 0
+    # seconds between checks of the ranks: a job ends at most this long after its ranks
+    monitor_interval: float = 0.1
+    # forkserver: ranks fork from a server that has torch imported and never touched CUDA
+    start_method: str = "forkserver"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    # null: <job output dir>/torchrun_logs
+    log_dir: Optional[str] = None
+    # torchrun's Std spec: 0 none, 1 stdout, 2 stderr, 3 both; or "0:3,1:0" per local rank
+    redirects: Any = "0"
+    # 3: every rank's stdout and stderr go to files and to the console
+    tee: Any = "3"
+    # "0,1": local ranks whose output the console shows (files always keep all)
+    local_ranks_filter: str = ""
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    # null: every job gets a free port of its own
+    master_port: Optional[int] = None
+    local_addr: Optional[str] = None
+    training_script: Optional[str] = None
+    training_script_args: List[str] = field(default_factory=list)
+    # name of a `torchrun.logs_specs` entry point
+    logs_specs: Optional[str] = None
+    numa_binding: Optional[str] = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    # seconds between the graceful signal and SIGKILL when ranks are stopped
+    shutdown_timeout: int = 5
+    virtual_local_rank: bool = False
+    log_line_prefix_template: Optional[str] = None
+    event_log_handler: str = "null"
+    duplicate_stdout_filters: Optional[List[str]] = None
+    duplicate_stderr_filters: Optional[List[str]] = None
+
+    # --- the plugin's own ---
+    # how many sweep jobs run at once on this node
+    parallel_jobs: int = 1
+    # device ids that concurrent jobs share out (null: all visible)
+    devices: Optional[List[Any]] = None
+    # seconds; a job still running then is stopped and FAILED
+    job_timeout: Optional[float] = None
+    # command put before every rank's interpreter, e.g. [numactl, --cpunodebind=0]
+    launch_prefix: List[str] = field(default_factory=list)
+    # auto: take nnodes / node_rank / rendezvous from SLURM inside an srun step; none: off
+    cluster: str = "auto"
+
+
+ConfigStore.instance().store(
+    group="hydra/launcher",
+    name="torchrun",
+    node=TorchrunLauncherConf,
+    provider="hydra_torchrun_launcher",
+)

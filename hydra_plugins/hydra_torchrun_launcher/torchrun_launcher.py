@@ -1,0 +1,40 @@
+"""The launcher Hydra instantiates for `hydra/launcher=torchrun`.
+
+Hydra's discovery imports this module on every run, so torch (and everything that needs
+it) is imported only when a sweep is launched.
+"""
+
+import logging
+from typing import Any, Optional, Sequence
+
+from hydra.core.utils import JobReturn
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+
+class TorchrunLauncher(Launcher):
+    def __init__(self, **params: Any) -> None:
+        # the per-job settings come from each job's composed config, not from here
+        self.params = params
+        self.config: Optional[DictConfig] = None
+        self.task_function: Optional[TaskFunction] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(
+        self,
+        *,
+        hydra_context: HydraContext,
+        task_function: TaskFunction,
+        config: DictConfig,
+    ) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from . import _core
+
+        return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

@@ -1,0 +1,31 @@
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+about: dict = {}
+exec(Path("hydra_plugins/hydra_torchrun_launcher/__init__.py").read_text(), about)
+
+setup(
+    name="hydra-torchrun-launcher",
+    version=about["__version__"],
+    description="Hydra launcher plugin that runs every sweep job as a torchrun (torch elastic) job",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_namespace_packages(include=["hydra_plugins.*"]),
+    package_data={"hydra_plugins.hydra_torchrun_launcher": ["py.typed"]},
+    python_requires=">=3.9",
+    install_requires=[
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3",
+        "cloudpickle>=2.0",
+        "torch>=2.3",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2", "psutil>=5", "ruff"],
+    },
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+    ],
+)
