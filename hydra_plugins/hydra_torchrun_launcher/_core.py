@@ -73,8 +73,7 @@ def launch(
 
     # every job's settings are checked before the first rank of the sweep starts
     jobs = [
-        _prepare(launcher, list(overrides), initial_job_idx + i)
-        for i, overrides in enumerate(job_overrides)
+        _prepare(launcher, list(overrides), initial_job_idx + i) for i, overrides in enumerate(job_overrides)
     ]
     if any(job.settings.conf.start_method == "forkserver" for job in jobs):
         _start_forkserver()
