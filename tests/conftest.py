@@ -1,0 +1,74 @@
+"""Shared test helpers: running apps as a user would, and proving no process is left behind."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterable, List, Sequence
+
+import psutil
+import pytest
+
+# multiprocessing's helpers live as long as the process that started them (here: pytest)
+_LONG_LIVED_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+EXIT_WAIT_S = 15.0
+
+
+def _is_long_lived_helper(proc: psutil.Process) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return False
+    return any(name in cmdline for name in _LONG_LIVED_HELPERS)
+
+
+def _rank_descendants() -> List[psutil.Process]:
+    """This process's descendants other than multiprocessing's forkserver and tracker."""
+    return [p for p in psutil.Process().children(recursive=True) if not _is_long_lived_helper(p)]
+
+
+def assert_gone(pids: Iterable[int]) -> None:
+    """Every pid has exited (and been reaped) within EXIT_WAIT_S."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(procs, timeout=EXIT_WAIT_S)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_ranks():
+    """Every test ends with no rank of ours alive: workers, agents, scripts, wrappers."""
+    yield
+    leftovers = _rank_descendants()
+    if leftovers:
+        _, alive = psutil.wait_procs(leftovers, timeout=EXIT_WAIT_S)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for proc in alive:
+            proc.kill()
+        assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def run_app(
+    app: Path, args: Sequence[str], cwd: Path, timeout: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run `python app.py ARGS` as a user would; its output is returned as text."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    result = subprocess.run(
+        [sys.executable, str(app), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{app.name} {' '.join(args)} exited {result.returncode}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
+    return result
