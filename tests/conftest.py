@@ -54,10 +54,21 @@ def no_leftover_ranks():
 
 
 def run_app(
-    app: Path, args: Sequence[str], cwd: Path, timeout: float = 240, check: bool = True
+    app: Path,
+    args: Sequence[str],
+    cwd: Path,
+    timeout: float = 240,
+    check: bool = True,
+    full_error: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run `python app.py ARGS` as a user would; its output is returned as text."""
-    env = dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    """Run `python app.py ARGS` as a user would; its output is returned as text.
+
+    full_error=False shows errors as users see them by default (Hydra's short form).
+    """
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    if full_error:
+        env["HYDRA_FULL_ERROR"] = "1"
     result = subprocess.run(
         [sys.executable, str(app), *args],
         cwd=cwd,

@@ -8,6 +8,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from .config import TorchrunLauncherConf
@@ -20,8 +21,11 @@ _STD_SPEC = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")
 _SIGNAL_NAME = re.compile(r"^SIG[A-Z0-9]+$")
 
 
-class LauncherConfigError(ValueError):
-    """A launcher setting a user gave that cannot work; its message names the key."""
+class LauncherConfigError(CompactHydraException, ValueError):
+    """A launcher setting a user gave that cannot work; its message names the key.
+
+    Hydra prints a CompactHydraException as its message alone: one line, no stack.
+    """
 
 
 def _refuse(key: str, value: Any, allowed: str) -> LauncherConfigError:

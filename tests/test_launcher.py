@@ -1,0 +1,393 @@
+"""What a user of `hydra/launcher=torchrun` sees: per-job settings, the ranks' world, returns, errors."""
+
+import functools
+import os
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.test_utils.test_utils import TSweepRunner
+from omegaconf import DictConfig, OmegaConf
+
+from hydra_plugins.hydra_torchrun_launcher._failures import JobFailedError
+from tests.conftest import assert_gone, run_app
+
+pytestmark = [pytest.mark.usefixtures("hydra_restore_singletons"), pytest.mark.timeout(240)]
+
+
+@contextmanager
+def sweeping(
+    runner: TSweepRunner, task: Any, overrides: List[str], tmp_path: Path, config_name: Optional[str] = None
+) -> Iterator[List[JobReturn]]:
+    """Run a multirun in this process with the torchrun launcher; yields the jobs' JobReturns.
+
+    The sweep dir (tmp_path) is removed when the block ends.
+    """
+    with runner(
+        calling_file=None,
+        calling_module="tests.test_launcher",
+        task_function=task,
+        config_path="configs",
+        config_name=config_name,
+        overrides=["hydra/launcher=torchrun", *overrides],
+        temp_dir=tmp_path,
+    ) as result:
+        assert result.returns is not None
+        yield list(result.returns[0])
+
+
+def sweep(
+    runner: TSweepRunner, task: Any, overrides: List[str], tmp_path: Path, config_name: Optional[str] = None
+) -> List[JobReturn]:
+    with sweeping(runner, task, overrides, tmp_path, config_name) as returns:
+        return returns
+
+
+def rank_facts(cfg: DictConfig) -> Dict[str, Any]:
+    """What a rank sees of its world; every rank returns it, the job reports rank 0's."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    hydra_cfg = HydraConfig.get()
+    env_keys = [
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "MY_ENV",
+    ]
+    return {
+        "env": {k: os.environ.get(k) for k in env_keys},
+        "allreduce": total.item(),
+        "output_dir": hydra_cfg.runtime.output_dir,
+        "job_num": hydra_cfg.job.num,
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+        "cfg": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def test_launcher_keys_resolve_per_job(hydra_sweep_runner: TSweepRunner, tmp_path: Path) -> None:
+    returns = sweep(
+        hydra_sweep_runner,
+        rank_facts,
+        ["hydra.launcher.nproc_per_node=${n}", "n=1,2"],
+        tmp_path,
+        config_name="compose_n",
+    )
+    world = [r.return_value["env"]["WORLD_SIZE"] for r in returns]
+    assert world == ["1", "2"]
+    assert [r.return_value["allreduce"] for r in returns] == [1.0, 3.0]
+    assert [r.return_value["job_num"] for r in returns] == [0, 1]
+    # every job has a rendezvous and a port of its own
+    assert (
+        returns[0].return_value["env"]["TORCHELASTIC_RUN_ID"]
+        != returns[1].return_value["env"]["TORCHELASTIC_RUN_ID"]
+    )
+    assert_gone(r.return_value["pid"] for r in returns)
+
+
+def test_launcher_keys_may_interpolate_keys_added_by_the_sweep(
+    hydra_sweep_runner: TSweepRunner, tmp_path: Path
+) -> None:
+    # Hydra instantiates the launcher from the sweep's base config, where `+n` does not exist
+    # yet; oc.select gives it a value there, and each job resolves its own n.
+    returns = sweep(
+        hydra_sweep_runner,
+        rank_facts,
+        ["hydra.launcher.nproc_per_node=${oc.select:n,1}", "+n=2,1"],
+        tmp_path,
+    )
+    assert [r.return_value["env"]["WORLD_SIZE"] for r in returns] == ["2", "1"]
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_rank_world(hydra_sweep_runner: TSweepRunner, tmp_path: Path, start_method: str) -> None:
+    with sweeping(
+        hydra_sweep_runner,
+        rank_facts,
+        [
+            f"hydra.launcher.start_method={start_method}",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.job.chdir=True",
+            "+hydra.job.env_set.MY_ENV=from_env_set",
+            "+x=1,2",
+        ],
+        tmp_path,
+    ) as returns:
+        job_files = [(tmp_path / str(num) / ".hydra" / "config.yaml").is_file() for num in range(2)]
+    assert job_files == [True, True]
+    assert [r.status for r in returns] == [JobStatus.COMPLETED] * 2
+    for num, ret in enumerate(returns):
+        facts = ret.return_value
+        job_dir = tmp_path / str(num)
+        assert Path(facts["output_dir"]) == job_dir.resolve()
+        assert Path(facts["cwd"]) == job_dir.resolve()
+        assert facts["cfg"] == {"x": num + 1}
+        env = facts["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            "0",
+            "0",
+            "2",
+            "2",
+        )
+        assert env["MY_ENV"] == "from_env_set"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert facts["allreduce"] == 3.0
+    # env_set applies to the ranks, not to the launcher
+    assert "MY_ENV" not in os.environ
+    assert_gone(r.return_value["pid"] for r in returns)
+
+
+def _closure_task(tag: str):
+    def task(cfg: DictConfig) -> str:
+        return f"{tag}:{cfg.x}:{os.environ['WORLD_SIZE']}"
+
+    return task
+
+
+def _partial_target(cfg: DictConfig, *, prefix: str) -> str:
+    return f"{prefix}:{cfg.x}"
+
+
+@pytest.mark.parametrize(
+    "task, expected",
+    [
+        (_closure_task("closure"), ["closure:1:2", "closure:2:2"]),
+        (lambda cfg: f"lambda:{cfg.x}", ["lambda:1", "lambda:2"]),
+        (functools.partial(_partial_target, prefix="partial"), ["partial:1", "partial:2"]),
+    ],
+    ids=["closure", "lambda", "partial"],
+)
+def test_task_functions_of_every_kind_travel(
+    hydra_sweep_runner: TSweepRunner, tmp_path: Path, task: Any, expected: List[str]
+) -> None:
+    returns = sweep(hydra_sweep_runner, task, ["hydra.launcher.nproc_per_node=2", "+x=1,2"], tmp_path)
+    assert [r.return_value for r in returns] == expected
+
+
+def test_custom_resolver_resolves_in_ranks(hydra_sweep_runner: TSweepRunner, tmp_path: Path) -> None:
+    OmegaConf.register_new_resolver("times_ten", lambda v: int(v) * 10, replace=True)
+    try:
+        returns = sweep(
+            hydra_sweep_runner,
+            lambda cfg: cfg.y,
+            ["hydra.launcher.nproc_per_node=2", "+x=1,2", "+y='${times_ten:${x}}'"],
+            tmp_path,
+        )
+    finally:
+        OmegaConf.clear_resolver("times_ten")
+    assert [r.return_value for r in returns] == [10, 20]
+
+
+def _fail_on_rank(cfg: DictConfig) -> int:
+    rank = int(os.environ["RANK"])
+    if cfg.x == 1 and rank == 1:
+        raise ValueError(f"bad value on rank {rank}")
+    Path(cfg.marker_dir, f"ran_{cfg.x}_{rank}").touch()
+    return rank + 100
+
+
+def test_failed_rank_fails_its_job_and_the_sweep_goes_on(
+    hydra_sweep_runner: TSweepRunner, tmp_path: Path
+) -> None:
+    # Hydra's sweeper re-raises the first failed job's error once the whole batch has run
+    with pytest.raises(JobFailedError) as failure:
+        sweep(
+            hydra_sweep_runner,
+            _fail_on_rank,
+            ["hydra.launcher.nproc_per_node=2", "+x=1,2", f"+marker_dir={tmp_path}"],
+            tmp_path / "sweep",
+        )
+    message = str(failure.value)
+    assert message.startswith("rank 1 (local_rank 1, pid ")
+    assert "ValueError: bad value on rank 1" in message
+    assert "in _fail_on_rank" in message  # the rank's traceback
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1_0", "ran_2_0", "ran_2_1"]
+
+
+def test_callbacks_fire_once_per_job_in_the_launcher(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(
+        """
+import os
+import hydra
+from hydra.experimental.callback import Callback
+
+class Record(Callback):
+    def on_job_start(self, config, **kwargs):
+        with open(os.path.join(config.hydra.sweep.dir, "events.txt"), "a") as f:
+            f.write(f"start {config.hydra.job.num} {os.getpid()}\\n")
+
+    def on_job_end(self, config, job_return, **kwargs):
+        with open(os.path.join(config.hydra.sweep.dir, "events.txt"), "a") as f:
+            f.write(f"end {config.hydra.job.num} {os.getpid()} {job_return.return_value}\\n")
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    print(f"pid of rank {os.environ['RANK']}: {os.getpid()}", flush=True)
+    return int(os.environ["RANK"]) + 7
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    sweep_dir = tmp_path / "sweep"
+    result = run_app(
+        app,
+        [
+            "--multirun",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.sweep.dir={sweep_dir}",
+            "+hydra.callbacks.record._target_=__main__.Record",
+            "+x=1,2",
+        ],
+        cwd=tmp_path,
+    )
+    events = (sweep_dir / "events.txt").read_text().split("\n")[:-1]
+    pids = {line.split()[2] for line in events}
+    assert [line.split()[:2] for line in events] == [
+        ["start", "0"],
+        ["end", "0"],
+        ["start", "1"],
+        ["end", "1"],
+    ]
+    assert len(pids) == 1, "callbacks ran outside the launching process"
+    assert all(line.split()[3] == "7" for line in events if line.startswith("end"))
+    # the console shows every rank's output, prefixed with its rank; files keep it too
+    assert "[default0]:pid of rank 0" in result.stdout
+    assert "[default1]:pid of rank 1" in result.stdout
+    for job in ("0", "1"):
+        outs = sorted((sweep_dir / job / "torchrun_logs").glob("*/attempt_0/*/stdout.log"))
+        assert [p.parent.name for p in outs] == ["0", "1"]
+        assert "pid of rank 1" in outs[1].read_text()
+    rank_pids = [int(line.rsplit(" ", 1)[1]) for line in result.stdout.splitlines() if "pid of rank" in line]
+    assert len(rank_pids) == 4
+    assert_gone(rank_pids)
+
+
+def test_ranks_log_to_files_of_their_own(tmp_path: Path) -> None:
+    app = tmp_path / "my_task.py"
+    app.write_text(
+        """
+import logging, os
+import hydra
+log = logging.getLogger(__name__)
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    log.info(f"hello from rank {os.environ['RANK']}")
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    sweep_dir = tmp_path / "sweep"
+    run_app(
+        app,
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=3", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=tmp_path,
+    )
+    job_dir = sweep_dir / "0"
+    assert "hello from rank 0" in (job_dir / "my_task.log").read_text()
+    for rank in (1, 2):
+        text = (job_dir / f"my_task_rank{rank}.log").read_text()
+        assert f"hello from rank {rank}" in text
+        assert "hello from rank 0" not in text
+
+
+def test_multirun_exits_non_zero_when_a_job_failed(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(
+        """
+import os
+import hydra
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    if cfg.x == 1 and os.environ["RANK"] == "0":
+        raise RuntimeError("job one is broken")
+    with open(f"done_{cfg.x}_{os.environ['RANK']}", "w"):
+        pass
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    result = run_app(
+        app,
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "+x=1,2"],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "RuntimeError: job one is broken" in result.stderr
+    assert "rank 0 (local_rank 0" in result.stderr
+    # the job after the failed one still ran, on both ranks
+    assert (tmp_path / "done_2_0").exists() and (tmp_path / "done_2_1").exists()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("hydra.launcher.nproc_per_node=0", "nproc_per_node"),
+        ("hydra.launcher.nproc_per_node=abc", "nproc_per_node"),
+        ("hydra.launcher.start_method=thread", "start_method"),
+        ("hydra.launcher.max_restarts=-1", "max_restarts"),
+        ("hydra.launcher.nnodes='2:1'", "nnodes"),
+        ("hydra.launcher.redirects='9'", "redirects"),
+        ("+hydra.launcher.no_such_key=1", "no_such_key"),
+    ],
+)
+def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, override: str, key: str) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(
+        """
+import hydra
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    open("a_rank_ran", "w").close()
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    result = run_app(
+        app,
+        ["-m", "hydra/launcher=torchrun", override, "+x=1,2"],
+        cwd=tmp_path,
+        check=False,
+        full_error=False,
+    )
+    assert result.returncode != 0
+    assert not (tmp_path / "a_rank_ran").exists()
+    # one line naming the key, then Hydra's hint on how to see the full trace
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 3, result.stderr
+    assert f"hydra.launcher.{key}" in lines[0] or f"'{key}'" in lines[0], result.stderr
+
+
+def test_return_value_that_cannot_be_pickled_fails_only_its_job(
+    hydra_sweep_runner: TSweepRunner, tmp_path: Path
+) -> None:
+    def task(cfg: DictConfig) -> Any:
+        Path(cfg.marker_dir, f"ran_{cfg.x}").touch()
+        return threading.Lock() if cfg.x == 1 else "fine"
+
+    with pytest.raises(JobFailedError, match=r"return value \(lock\) cannot be pickled"):
+        sweep(hydra_sweep_runner, task, ["+x=1,2", f"+marker_dir={tmp_path}"], tmp_path / "sweep")
+    assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1", "ran_2"]
