@@ -18,6 +18,7 @@ setup(
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3",
         "cloudpickle>=2.0",
+        "python-hostlist>=2.0",
         "torch>=2.3",
     ],
     extras_require={

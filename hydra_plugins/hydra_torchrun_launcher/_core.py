@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
 from . import _signals
+from ._cluster import resolve_cluster
 from ._failures import JobFailedError, describe
 from ._launch_config import (
     build_launch_config,
@@ -55,6 +56,7 @@ class PreparedJob:
     overrides: List[str]
     config: DictConfig
     settings: JobSettings
+    cluster_note: Optional[str]
 
 
 def launch(
@@ -75,6 +77,9 @@ def launch(
     jobs = [
         _prepare(launcher, list(overrides), initial_job_idx + i) for i, overrides in enumerate(job_overrides)
     ]
+    cluster_notes = sorted({job.cluster_note for job in jobs if job.cluster_note})
+    for note in cluster_notes:
+        log.info(note)
     if any(job.settings.conf.start_method == "forkserver" for job in jobs):
         _start_forkserver()
 
@@ -103,9 +108,12 @@ def _prepare(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> Pr
         settings = resolve_settings(config.hydra.launcher)
     finally:
         HydraConfig.instance().cfg = previous
+    settings, cluster_note = resolve_cluster(settings, os.environ)
     check_supported(settings)
     rendezvous_for(settings, "", idx)  # refuses an unusable rendezvous now
-    return PreparedJob(idx=idx, overrides=overrides, config=config, settings=settings)
+    return PreparedJob(
+        idx=idx, overrides=overrides, config=config, settings=settings, cluster_note=cluster_note
+    )
 
 
 def _start_forkserver() -> None:
