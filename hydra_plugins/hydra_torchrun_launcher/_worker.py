@@ -2,19 +2,17 @@
 
 The elastic agent starts `run_rank` in each worker process (forked from the warm
 forkserver, spawned, or forked from the launcher). Everything the rank needs travels as
-one cloudpickled `RankPayload`, passed in memory, so tasks defined in `__main__`, closures,
-lambdas and partials all survive, and so do the app's custom OmegaConf resolvers (they are
-part of Hydra's Singleton state).
+one `RankPayload`, passed in memory, whose task function and Hydra state were pickled with
+cloudpickle: tasks defined in `__main__`, closures, lambdas and partials all survive, and
+so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton state).
 """
 
-import ctypes
-import logging
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -22,15 +20,19 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import _flush_loggers, configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
-_PR_SET_PDEATHSIG = 1
+from ._lifetime import die_with_parent
+
+_NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
 
 @dataclass
 class RankPayload:
-    task_function: Callable[[DictConfig], Any]
+    pickled_task: bytes  # cloudpickled once per sweep
+    pickled_state: bytes  # Hydra's Singleton state with this job's config, cloudpickled
     task_cfg: DictConfig
-    singleton_state: Dict[Any, Any]
     working_dir: str
+    job_num: int
+    overrides: List[str]
     env: Dict[str, str] = field(default_factory=dict)
 
 
@@ -40,23 +42,21 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     `sys_path` comes apart from the payload: unpickling a task function that lives in an
     importable module needs the app's import path first.
     """
-    _die_with_parent()
+    die_with_parent()
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     job: RankPayload = cloudpickle.loads(payload)
-    os.environ.update(job.env)
-    if "OMP_NUM_THREADS" in job.env and "torch" in sys.modules:
-        # the forkserver imported torch before this rank's environment existed
-        sys.modules["torch"].set_num_threads(int(job.env["OMP_NUM_THREADS"]))
+    enter_job_env(job.env, job.working_dir)
+    check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
-    Singleton.set_state(job.singleton_state)
-    os.chdir(job.working_dir)
+    Singleton.set_state(cloudpickle.loads(job.pickled_state))
     rank = int(os.environ.get("RANK", "0"))
     hydra_cfg = HydraConfig.get()
     configure_log(rank_log_config(hydra_cfg.job_logging, rank), hydra_cfg.verbose)
+    task = cloudpickle.loads(job.pickled_task)
     try:
-        value = job.task_function(job.task_cfg)
+        value = task(job.task_cfg)
     finally:
         _flush_loggers()
     if os.environ.get("LOCAL_RANK", "0") != "0":
@@ -68,6 +68,47 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             f"the task function's return value ({type(value).__name__}) cannot be pickled "
             f"to send it back to the launcher: {e}"
         ) from e
+
+
+def enter_job_env(env: Dict[str, str], working_dir: str) -> None:
+    """The job's `env_set` (and devices), and its working dir, in this rank."""
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
+        # the forkserver imported torch before this rank's environment existed
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.chdir(working_dir)
+
+
+def check_nodes_agree(job_num: int, overrides: List[str]) -> None:
+    """Refuse to train when the nodes of a multi-node job composed different configs.
+
+    Each node runs the sweep on its own; a sweeper that is not deterministic would let
+    node 0 and node 1 run job N with different overrides under one rendezvous. Every rank
+    publishes its node's overrides in the job's rendezvous store and compares.
+    """
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = PrefixStore(
+        f"hydra_torchrun/overrides/{os.environ['TORCHELASTIC_RUN_ID']}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+        TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=_NODES_AGREE_TIMEOUT,
+        ),
+    )
+    mine = " ".join(overrides)
+    store.set(os.environ["GROUP_RANK"], mine)
+    keys = [str(node) for node in range(nodes)]
+    store.wait(keys)
+    seen = {node: store.get(key).decode() for node, key in enumerate(keys)}
+    if len(set(seen.values())) > 1:
+        listing = "; ".join(f"node {node}: [{text}]" for node, text in seen.items())
+        raise RuntimeError(f"nodes disagree on the overrides of job {job_num}: {listing}")
 
 
 def rank_log_config(job_logging: Optional[DictConfig], rank: int) -> Optional[DictConfig]:
@@ -84,23 +125,3 @@ def rank_log_config(job_logging: Optional[DictConfig], rank: int) -> Optional[Di
             path = Path(handler["filename"])
             handler["filename"] = str(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
     return OmegaConf.create(config)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when the process that started it dies.
-
-    The agent stops ranks itself; this is the backstop for when the launcher is killed
-    outright (SIGKILL, OOM) or a second Ctrl-C interrupts the agent's own shutdown, so a
-    rank never outlives its sweep holding GPU memory.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logging.getLogger(__name__).warning(
-            "could not ask the kernel to stop this rank with its parent: %s",
-            os.strerror(ctypes.get_errno()),
-        )
-    if os.getppid() == 1:
-        # the parent died before the request above was in place
-        os._exit(1)
