@@ -78,13 +78,16 @@ def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
         return AgentJob(plan, launch_config, run_rank, [list(sys.path), cloudpickle.dumps(payload)], None)
 
     private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
+    cwd = plan.payload.working_dir
     if conf.training_script is None:
         payload_file = private_dir / "payload.pkl"
         _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(payload))))
         command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
     else:
+        # a script runs in its job's dir, whatever hydra.job.chdir says: that is where its outputs belong
         command = _script_command(plan.settings)
-    spec = {"cwd": plan.payload.working_dir, "env": env, "command": [*conf.launch_prefix, *command]}
+        cwd = str(plan.output_dir)
+    spec = {"cwd": cwd, "env": env, "command": [*conf.launch_prefix, *command]}
     spec_file = private_dir / "rank.json"
     _write_private(spec_file, json.dumps(spec).encode())
     return AgentJob(

@@ -1,0 +1,188 @@
+"""Script mode and launch prefixes: the launch layers users already have keep working."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_gone, run_app
+
+pytestmark = pytest.mark.timeout(240)
+
+HYDRA_APP = """
+import os
+import hydra
+
+@hydra.main(version_base=None, config_path=".", config_name="config")
+def main(cfg):
+    with open(os.path.join(cfg.marker_dir, f"task_{cfg.lr}_{os.environ['RANK']}.json"), "w") as f:
+        import json
+        json.dump({"mark": os.environ.get("MARK"), "pid": os.getpid(), "cwd": os.getcwd()}, f)
+    return f"lr={cfg.lr} rank={os.environ['RANK']}"
+
+if __name__ == "__main__":
+    main()
+"""
+
+TRAIN_SCRIPT = """
+import argparse, json, os, sys
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float)
+parser.add_argument("--fail", action="store_true")
+args = parser.parse_args()
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with open(f"script_rank{rank}.json", "w") as f:
+    json.dump({"lr": args.lr, "world": dist.get_world_size(), "pid": os.getpid(), "argv": sys.argv[1:]}, f)
+print(f"script rank {rank} lr {args.lr}", flush=True)
+dist.destroy_process_group()
+if args.fail and rank == 1:
+    print("the loss went NaN on rank 1", file=sys.stderr, flush=True)
+    sys.exit(7)
+"""
+
+WRAPPER = """
+import json, os, sys
+# a stand-in for numactl / nsys: records how it was called, then runs the rest
+tag, rest = sys.argv[1], sys.argv[2:]
+with open(os.path.join(os.environ["WRAPPER_LOG_DIR"], f"wrapper_{tag}.json"), "w") as f:
+    json.dump({"argv": rest, "pid": os.getpid()}, f)
+os.execvp(rest[0], rest)
+"""
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    path = tmp_path / "app.py"
+    path.write_text(HYDRA_APP)
+    # launcher keys interpolate `lr`: Hydra builds the launcher from the base config, so lr has a default
+    (tmp_path / "config.yaml").write_text(f"lr: 0.0\nmarker_dir: {tmp_path}\n")
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    (tmp_path / "wrapper.py").write_text(WRAPPER)
+    return path
+
+
+def test_script_mode_runs_the_script_per_rank_in_each_job_dir(app: Path, tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    result = run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.launcher.training_script={tmp_path / 'train.py'}",
+            "hydra.launcher.training_script_args=[--lr,'${lr}']",
+            f"hydra.sweep.dir={sweep_dir}",
+            "lr=0.1,0.01",
+        ],
+        cwd=tmp_path,
+    )
+    pids = []
+    for job, lr in (("0", 0.1), ("1", 0.01)):
+        job_dir = sweep_dir / job
+        assert (job_dir / ".hydra" / "overrides.yaml").is_file()
+        for rank in (0, 1):
+            record = json.loads((job_dir / f"script_rank{rank}.json").read_text())
+            assert record["lr"] == lr and record["world"] == 2
+            pids.append(record["pid"])
+        logs = sorted((job_dir / "torchrun_logs").glob("*/attempt_0/*/stdout.log"))
+        assert [p.read_text().strip() for p in logs] == [f"script rank 0 lr {lr}", f"script rank 1 lr {lr}"]
+    assert "[default1]:script rank 1 lr 0.01" in result.stdout
+    # the app's task function is not what runs in script mode
+    assert not list(tmp_path.glob("task_*.json"))
+    assert_gone(pids)
+
+
+def test_script_that_exits_non_zero_fails_its_job_with_its_stderr(app: Path, tmp_path: Path) -> None:
+    result = run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.launcher.training_script={tmp_path / 'train.py'}",
+            "hydra.launcher.training_script_args=[--lr,'${lr}',--fail]",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "lr=0.5",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "rank 1 (local_rank 1" in result.stderr
+    assert "exited with code 7" in result.stderr
+    assert "the loss went NaN on rank 1" in result.stderr
+
+
+def test_launch_prefix_wraps_every_rank_of_a_task(app: Path, tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.launcher.launch_prefix=[env,'MARK=1','WRAPPER_LOG_DIR={tmp_path}',"
+            f"'{sys.executable}','{tmp_path / 'wrapper.py'}','r{{rank}}-l{{local_rank}}']",
+            "hydra.job.chdir=True",
+            f"hydra.sweep.dir={sweep_dir}",
+            "lr=0.1,0.2",
+        ],
+        cwd=tmp_path,
+    )
+    pids = []
+    for lr, job in ((0.1, "0"), (0.2, "1")):
+        for rank in (0, 1):
+            record = json.loads((tmp_path / f"task_{lr}_{rank}.json").read_text())
+            assert record["mark"] == "1"
+            assert Path(record["cwd"]) == (sweep_dir / job).resolve()
+            pids.append(record["pid"])
+    # the wrapper ran once per rank, with the rank put into its arguments, around python
+    wrappers = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("wrapper_*.json")}
+    assert set(wrappers) == {"wrapper_r0-l0.json", "wrapper_r1-l1.json"}
+    assert wrappers["wrapper_r1-l1.json"]["argv"][0] == sys.executable
+    pids += [w["pid"] for w in wrappers.values()]
+    assert_gone(pids)
+    # the payload files live only while the job runs
+    assert not list(Path(sweep_dir).rglob("payload.pkl"))
+
+
+def test_launch_prefix_keeps_rank_zeros_return_value(tmp_path: Path) -> None:
+    app = tmp_path / "app.py"
+    app.write_text(
+        """
+import os
+import hydra
+from hydra.experimental.callback import Callback
+
+class Record(Callback):
+    def on_job_end(self, config, job_return, **kwargs):
+        with open(os.path.join(config.hydra.sweep.dir, "returns.txt"), "a") as f:
+            f.write(f"{job_return.return_value}\\n")
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    return f"x={cfg.x} rank={os.environ['RANK']}"
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    sweep_dir = tmp_path / "sweep"
+    run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.launcher.launch_prefix=[env,'MARK=1']",
+            f"hydra.sweep.dir={sweep_dir}",
+            "+hydra.callbacks.record._target_=__main__.Record",
+            "+x=1,2",
+        ],
+        cwd=tmp_path,
+    )
+    assert (sweep_dir / "returns.txt").read_text().split("\n")[:-1] == ["x=1 rank=0", "x=2 rank=0"]
