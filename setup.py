@@ -22,7 +22,14 @@ setup(
         "torch>=2.3",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "psutil>=5", "ruff"],
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "psutil>=5",
+            "ruff",
+            "hydra-optuna-sweeper==1.2.0",
+            "lightning==2.6.6",
+        ],
     },
     classifiers=[
         "License :: OSI Approved :: MIT License",
