@@ -50,11 +50,19 @@ def rendezvous_for(settings: JobSettings, sweep_key: str, job_num: int) -> Rende
 
     A single-node job with no endpoint or port given rendezvouses over c10d on an
     OS-chosen port, as `torchrun --standalone` does, so concurrent jobs and sweeps on a
-    host cannot collide. Multi-node jobs derive their id from the sweep and the job number,
-    which every node computes alike, so nodes cannot join another job's rendezvous.
+    host cannot collide; its id comes from this sweep's dir. The nodes of a multi-node job
+    must all compute the same id, and each node has its own sweep dir (its own disk, cwd,
+    `${now:}` second), so there the id comes from `rdzv_id` or else from the endpoint they
+    share; the job number is appended, so nodes cannot join another job's rendezvous.
     """
     conf = settings.conf
-    base_id = conf.rdzv_id or hashlib.sha1(sweep_key.encode()).hexdigest()[:12]
+    if conf.rdzv_id:
+        base_id = conf.rdzv_id
+    elif settings.max_nodes > 1:
+        shared = conf.rdzv_endpoint or f"{conf.master_addr}:{conf.master_port}"
+        base_id = "sweep-" + hashlib.sha1(shared.encode()).hexdigest()[:12]
+    else:
+        base_id = hashlib.sha1(sweep_key.encode()).hexdigest()[:12]
     run_id = f"{base_id}_{job_num}"
     configs = dict(settings.rdzv_conf)
     single_node_default = (

@@ -1,0 +1,58 @@
+"""A Hydra app for the multi-node tests: every rank joins its job's gloo world and records it.
+
+Each rank writes `<job output dir>/ranks/rank<RANK>.json` (its env, the `x` it was given,
+the `x` of every rank of the job, an all_reduce, its pid) and returns the same facts; the
+`record_returns` callback writes the JobReturn this node's launcher got.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+ENV_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@hydra.main(version_base=None, config_path=".", config_name="node_config")
+def main(cfg: DictConfig) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    xs = [None] * dist.get_world_size()
+    dist.all_gather_object(xs, cfg.x)
+    dist.destroy_process_group()
+    facts = {
+        "env": {k: os.environ.get(k) for k in ENV_KEYS},
+        "x": cfg.x,
+        "xs": xs,
+        "allreduce": total.item(),
+        "pid": os.getpid(),
+        "job_num": HydraConfig.get().job.num,
+    }
+    ranks = Path(HydraConfig.get().runtime.output_dir) / "ranks"
+    ranks.mkdir(exist_ok=True)
+    tmp = ranks / f".rank{rank}.tmp"
+    tmp.write_text(json.dumps(facts))
+    tmp.rename(ranks / f"rank{rank}.json")
+    return facts
+
+
+if __name__ == "__main__":
+    main()
