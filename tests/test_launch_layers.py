@@ -186,3 +186,69 @@ if __name__ == "__main__":
         cwd=tmp_path,
     )
     assert (sweep_dir / "returns.txt").read_text().split("\n")[:-1] == ["x=1 rank=0", "x=2 rank=0"]
+
+
+PROGRESS_APP = """
+import os, sys
+import hydra
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    rank = os.environ["RANK"]
+    for pct in range(0, 101, 25):
+        # a progress bar: each update rewrites the line, written in two pieces
+        sys.stdout.write(f"\\rrank {rank} progress {pct:3d}%")
+        sys.stdout.flush()
+        sys.stdout.write(" (eta 0s)")
+        sys.stdout.flush()
+    sys.stdout.write(f"\\nrank {rank} done\\n")
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _console_lines(stdout: str, prefix_marker: str) -> list:
+    return [line for line in stdout.splitlines() if prefix_marker in line]
+
+
+@pytest.mark.parametrize(
+    "extra, prefixes",
+    [
+        ([], {"0": "[default0]:", "1": "[default1]:"}),
+        (["hydra.launcher.local_ranks_filter=0"], {"0": "[default0]:"}),
+        (["hydra.launcher.log_line_prefix_template='<r{rank}>'"], {"0": "<r0>", "1": "<r1>"}),
+    ],
+    ids=["default", "local_ranks_filter", "prefix_template"],
+)
+def test_console_shows_whole_prefixed_lines_and_files_keep_everything(
+    tmp_path: Path, extra: list, prefixes: dict
+) -> None:
+    app = tmp_path / "progress.py"
+    app.write_text(PROGRESS_APP)
+    sweep_dir = tmp_path / "sweep"
+    result = run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.sweep.dir={sweep_dir}",
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
+    shown = {rank for rank in ("0", "1") if f"rank {rank} done" in result.stdout}
+    assert shown == set(prefixes)
+    for rank, prefix in prefixes.items():
+        lines = [line for line in result.stdout.splitlines() if f"rank {rank} " in line]
+        # every update is a whole line of its own, starting with the rank's prefix
+        assert lines == [f"{prefix}rank {rank} progress {pct:3d}% (eta 0s)" for pct in range(0, 101, 25)] + [
+            f"{prefix}rank {rank} done"
+        ]
+    # the files keep every rank's bytes exactly as written, whatever the console showed
+    for rank in ("0", "1"):
+        (stdout_log,) = (sweep_dir / "0" / "torchrun_logs").glob(f"*/attempt_0/{rank}/stdout.log")
+        raw = stdout_log.read_bytes()
+        assert raw.startswith(f"\rrank {rank} progress   0% (eta 0s)\rrank {rank} progress  25%".encode())
+        assert raw.endswith(f"\nrank {rank} done\n".encode())

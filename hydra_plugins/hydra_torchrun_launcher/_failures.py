@@ -6,6 +6,8 @@ from typing import Any, List, Optional
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 _STDERR_TAIL_LINES = 20
+# what torch puts in ProcessFailure.error_file when the rank left none
+_NO_ERROR_FILE = "<N/A>"
 
 
 class JobFailedError(RuntimeError):
@@ -18,12 +20,23 @@ def _cause(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _left_error_file(failure: ProcessFailure) -> bool:
+    """Whether the rank wrote its error file (a Python exception in the rank).
+
+    Without one torch sets `error_file` to "<N/A>", fills `message` with a placeholder
+    ("Signal 9 (SIGKILL) received by PID ...", "To enable traceback see: <url>") and
+    `error_file_data` with a shared dummy whose "message" is never empty, so neither of
+    those tells whether the rank said anything.
+    """
+    return bool(failure.error_file) and failure.error_file != _NO_ERROR_FILE
+
+
 def _detail(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
     message: Any = failure.message
-    if isinstance(message, dict):
-        callstack = message.get("extraInfo", {}).get("py_callstack")
-        return str(callstack or message.get("message", "")).rstrip()
-    if failure.error_file_data.get("message"):
+    if _left_error_file(failure):
+        if isinstance(message, dict):
+            callstack = message.get("extraInfo", {}).get("py_callstack")
+            return str(callstack or message.get("message", "")).rstrip()
         return str(message).rstrip()
     if stderr_log is not None and stderr_log.is_file():
         lines = stderr_log.read_text(errors="replace").splitlines()[-_STDERR_TAIL_LINES:]

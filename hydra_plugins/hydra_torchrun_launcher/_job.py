@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import _signals
+from ._console import RankConsole
 from ._failures import JobFailedError, describe
 from ._interrupt import JobDeadline, JobInterrupted, deadline
 from ._launch_config import Rendezvous, build_launch_config
@@ -58,6 +59,7 @@ class AgentJob:
     entrypoint: Union[Callable[..., Any], str]
     args: List[Any]
     private_dir: Optional[Path]
+    console: RankConsole
 
 
 def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
@@ -67,15 +69,19 @@ def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     plan.output_dir.mkdir(parents=True, exist_ok=True)
+    console = RankConsole()
     launch_config = build_launch_config(
         plan.settings,
         plan.rendezvous,
         nproc_per_node=plan.nproc,
         log_dir=conf.log_dir or str(plan.output_dir / "torchrun_logs"),
+        console=console,
     )
     payload = dataclasses.replace(plan.payload, env=env)
     if conf.training_script is None and not conf.launch_prefix:
-        return AgentJob(plan, launch_config, run_rank, [list(sys.path), cloudpickle.dumps(payload)], None)
+        return AgentJob(
+            plan, launch_config, run_rank, [list(sys.path), cloudpickle.dumps(payload)], None, console
+        )
 
     private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
     cwd = plan.payload.working_dir
@@ -147,6 +153,7 @@ def run_agent_job(job: AgentJob) -> Any:
     except JobInterrupted:
         raise JobFailedError("the launcher was interrupted; the job's ranks were stopped") from None
     finally:
+        job.console.close()
         if job.private_dir is not None:
             shutil.rmtree(job.private_dir, ignore_errors=True)
     # the agent has stopped the ranks; now the launcher reacts to the signal as it would alone

@@ -9,6 +9,7 @@ ignored while it has its default and refused, by name, when a user sets it.
 import dataclasses
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set
 
@@ -31,6 +32,9 @@ _FIELD_OF_KEY = {
     "local_ranks_filter": "logs_specs",
     "logs_specs": "logs_specs",
 }
+
+
+_PLACEHOLDER = re.compile(r"(?<!\$)\{(role_name|rank|local_rank)\}")
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,9 @@ def build_launch_config(
     rendezvous: Rendezvous,
     nproc_per_node: int,
     log_dir: str,
+    console: Optional[Any] = None,
 ) -> LaunchConfig:
+    """torch's LaunchConfig for the job; `console` (a RankConsole) prints the ranks' output."""
     conf = settings.conf
     have = launch_config_fields()
     kwargs: Dict[str, Any] = dict(
@@ -143,14 +149,13 @@ def build_launch_config(
         "duplicate_stderr_filters": conf.duplicate_stderr_filters,
         "virtual_local_rank": conf.virtual_local_rank,
         "shutdown_timeout": conf.shutdown_timeout,
-        "log_line_prefix_template": conf.log_line_prefix_template
-        or os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        "log_line_prefix_template": _prefix_template(conf),
     }
     kwargs.update({name: value for name, value in optional.items() if name in have})
     if "numa_options" in have and conf.numa_binding is not None:
         kwargs["numa_options"] = _numa_options(conf.numa_binding)
     if "logs_specs" in have:
-        kwargs["logs_specs"] = _logs_specs(settings, log_dir)
+        kwargs["logs_specs"] = _logs_specs(settings, log_dir, console)
     else:
         from torch.distributed.elastic.multiprocessing import Std
 
@@ -162,11 +167,23 @@ def build_launch_config(
     return LaunchConfig(**kwargs)
 
 
-def _logs_specs(settings: JobSettings, log_dir: str) -> Any:
+def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any]) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     conf = settings.conf
     specs_class: Any = DefaultLogsSpecs
+    common = dict(
+        log_dir=log_dir,
+        redirects=Std.from_str(str(conf.redirects)),
+        tee=Std.from_str(str(conf.tee)),
+        local_ranks_filter=settings.local_ranks_filter,
+    )
+    # torch's own tee stays in charge where something else reads its tee streams
+    torch_tees = conf.logs_specs is not None or conf.duplicate_stdout_filters or conf.duplicate_stderr_filters
+    if console is not None and not torch_tees:
+        from ._console import ConsoleLogsSpecs
+
+        return ConsoleLogsSpecs(**common, console=console, prefix_template=_prefix_template(conf))
     if conf.logs_specs is not None:
         from torch.distributed.run import _get_logs_specs_class
 
@@ -174,12 +191,18 @@ def _logs_specs(settings: JobSettings, log_dir: str) -> Any:
             specs_class = _get_logs_specs_class(conf.logs_specs)
         except ValueError as e:
             raise LauncherConfigError(f"hydra.launcher.logs_specs={conf.logs_specs!r} is invalid: {e}") from e
-    return specs_class(
-        log_dir=log_dir,
-        redirects=Std.from_str(str(conf.redirects)),
-        tee=Std.from_str(str(conf.tee)),
-        local_ranks_filter=settings.local_ranks_filter,
-    )
+    return specs_class(**common)
+
+
+def _prefix_template(conf: Any) -> Optional[str]:
+    """torch's prefix template; in Hydra config `{rank}` stands for torch's `${rank}`.
+
+    Hydra resolves `${...}` in launcher keys (and cannot pass an escaped one through to
+    the launcher), so the config spells torch's placeholders without the `$`.
+    """
+    if conf.log_line_prefix_template:
+        return _PLACEHOLDER.sub(r"${\1}", conf.log_line_prefix_template)
+    return os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
 
 
 def _numa_options(binding: str) -> Optional[Any]:
