@@ -1,0 +1,115 @@
+"""What the installed plugin costs apps that do not use it.
+
+Hydra's plugin discovery imports `config.py` and `torchrun_launcher.py` on every run of
+every app, so neither may import torch (seconds) nor do much work of its own.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from tests.conftest import run_app
+
+PLUGIN = "hydra_plugins.hydra_torchrun_launcher"
+DISCOVERED = (f"{PLUGIN}.config", f"{PLUGIN}.torchrun_launcher")
+SELF_TIME_BUDGET_US = 10_000
+# timing runs at most; the fastest counts (other work on the machine only ever adds time)
+IMPORTTIME_RUNS = 15
+
+APP = textwrap.dedent(
+    """
+    import sys
+
+    import hydra
+    from omegaconf import DictConfig
+
+
+    @hydra.main(version_base=None, config_path=None, config_name=None)
+    def main(cfg: DictConfig) -> None:
+        discovered = all(name in sys.modules for name in {discovered!r})
+        print(f"REPORT discovered={{discovered}} torch={{'torch' in sys.modules}}")
+
+
+    if __name__ == "__main__":
+        main()
+    """
+).format(discovered=DISCOVERED)
+
+_REPORT = re.compile(r"^REPORT discovered=(\w+) torch=(\w+)$", re.M)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    path = tmp_path / "plain_app.py"
+    path.write_text(APP)
+    return path
+
+
+def _reports(output: str) -> List[Dict[str, bool]]:
+    return [
+        {"discovered": discovered == "True", "torch": torch == "True"}
+        for discovered, torch in _REPORT.findall(output)
+    ]
+
+
+def test_plain_run_never_imports_torch(app: Path, tmp_path: Path) -> None:
+    result = run_app(app, ["+x=1"], cwd=tmp_path)
+    # the plugin was discovered (so the check means something), and torch never came in
+    assert _reports(result.stdout) == [{"discovered": True, "torch": False}], result.stdout
+
+
+def test_multirun_with_basic_launcher_never_imports_torch(app: Path, tmp_path: Path) -> None:
+    result = run_app(app, ["--multirun", "hydra/launcher=basic", "+x=1,2"], cwd=tmp_path)
+    assert _reports(result.stdout) == [{"discovered": True, "torch": False}] * 2, result.stdout
+
+
+def _import_self_times(env: Dict[str, str], cwd: Path) -> Dict[str, int]:
+    """`-X importtime` self times (us) of the modules a fresh interpreter imports for the
+    discovered plugin modules, with hydra and omegaconf already imported."""
+    code = f"import hydra, omegaconf\nimport {DISCOVERED[0]}, {DISCOVERED[1]}\n"
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    times = {}
+    for line in result.stderr.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)$", line)
+        if match:
+            times[match.group(2)] = int(match.group(1))
+    assert DISCOVERED[0] in times and DISCOVERED[1] in times, result.stderr
+    return times
+
+
+def test_discovered_modules_are_cheap_and_torch_free(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    # measure what users pay with bytecode cached (a compile is not the plugin's cost)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(tmp_path / "pycache")
+    _import_self_times(env, tmp_path)  # writes the bytecode
+
+    best: Dict[str, int] = {}
+    for _ in range(IMPORTTIME_RUNS):
+        times = _import_self_times(env, tmp_path)
+        heavy = sorted(name for name in times if name.split(".")[0] in ("torch", "numpy"))
+        assert not heavy, f"plugin discovery imports {heavy}"
+        ours = {name: t for name, t in times.items() if name == PLUGIN or name.startswith(PLUGIN + ".")}
+        if not best or sum(ours.values()) < sum(best.values()):
+            best = ours
+        if sum(best.values()) < SELF_TIME_BUDGET_US:
+            break
+    total = sum(best.values())
+    assert total < SELF_TIME_BUDGET_US, (
+        f"the plugin's modules take {total} us of their own to import "
+        f"(best of {IMPORTTIME_RUNS} runs): {best}"
+    )
