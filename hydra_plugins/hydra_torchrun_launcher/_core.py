@@ -8,6 +8,7 @@ jobs run at once (`_pool`) while `run_job` still runs here, in job order.
 """
 
 import copy
+import functools
 import logging
 import multiprocessing
 import os
@@ -36,12 +37,7 @@ log = logging.getLogger(__name__)
 
 # Imported once by the forkserver, then inherited by every rank it forks: the ranks of a
 # sweep's jobs start without paying for an interpreter and a torch import each.
-FORKSERVER_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch.distributed.elastic.multiprocessing",
-    "hydra_plugins.hydra_torchrun_launcher._worker",
-]
+FORKSERVER_PRELOAD = ["hydra_plugins.hydra_torchrun_launcher._forkserver"]
 
 # keys that shape the whole sweep rather than one job: every job must agree on them
 _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices")
@@ -86,26 +82,22 @@ def launch(
     if parallel_jobs == 1:
         for plan, config in zip(plans, configs):
             job_devices = devices[: plan.nproc] if devices is not None else None
-            run = _bind(plan, job_devices)
+            run = functools.partial(_run_agent, plan, job_devices)
             returns.append(_run_job(hydra_context, plan, config, run))
             configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
         return returns
 
     signals = plans[0].settings.conf.signals_to_handle
     with ConcurrentJobs(parallel_jobs, devices, signals) as pool:
-        futures = [pool.submit(plan.idx, plan.nproc, _bind_devices(plan)) for plan in plans]
+        futures = [pool.submit(plan.idx, plan.nproc, functools.partial(_run_agent, plan)) for plan in plans]
         for plan, config, future in zip(plans, configs, futures):
             returns.append(_run_job(hydra_context, plan, config, future.result))
             configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     return returns
 
 
-def _bind(plan: JobPlan, devices: Optional[List[str]]) -> Callable[[], Any]:
-    return lambda: run_agent_job(build_agent_job(plan, devices))
-
-
-def _bind_devices(plan: JobPlan) -> Callable[[Optional[List[str]]], Any]:
-    return lambda devices: run_agent_job(build_agent_job(plan, devices))
+def _run_agent(plan: JobPlan, devices: Optional[List[str]]) -> Any:
+    return run_agent_job(build_agent_job(plan, devices))
 
 
 def _run_job(
@@ -167,6 +159,11 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
     env = _rank_env(config.hydra.job.env_set, nproc)
     with _hydra_config(config):
         pickled_state = cloudpickle.dumps(Singleton.get_state())
+        job_logging = (
+            OmegaConf.to_container(config.hydra.job_logging, resolve=True)
+            if config.hydra.job_logging is not None
+            else None
+        )
     overrides = list(config.hydra.overrides.task)
     return JobPlan(
         idx=idx,
@@ -179,6 +176,7 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             pickled_task=pickled_task,
             pickled_state=pickled_state,
             task_cfg=task_cfg,
+            job_logging=job_logging,  # type: ignore[arg-type]
             working_dir=str(output_dir) if _chdir(config) else os.getcwd(),
             job_num=idx,
             overrides=overrides,

@@ -7,12 +7,13 @@ cloudpickle: tasks defined in `__main__`, closures, lambdas and partials all sur
 so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton state).
 """
 
+import copy
 import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -30,6 +31,7 @@ class RankPayload:
     pickled_task: bytes  # cloudpickled once per sweep
     pickled_state: bytes  # Hydra's Singleton state with this job's config, cloudpickled
     task_cfg: DictConfig
+    job_logging: Optional[Dict[str, Any]]  # hydra.job_logging, resolved
     working_dir: str
     job_num: int
     overrides: List[str]
@@ -50,10 +52,9 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     enter_job_env(job.env, job.working_dir)
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
-    Singleton.set_state(cloudpickle.loads(job.pickled_state))
+    Singleton.set_state(_with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
     rank = int(os.environ.get("RANK", "0"))
-    hydra_cfg = HydraConfig.get()
-    configure_log(rank_log_config(hydra_cfg.job_logging, rank), hydra_cfg.verbose)
+    configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose)
     task = cloudpickle.loads(job.pickled_task)
     try:
         value = task(job.task_cfg)
@@ -111,17 +112,35 @@ def check_nodes_agree(job_num: int, overrides: List[str]) -> None:
         raise RuntimeError(f"nodes disagree on the overrides of job {job_num}: {listing}")
 
 
-def rank_log_config(job_logging: Optional[DictConfig], rank: int) -> Optional[DictConfig]:
+def rank_log_config(job_logging: Optional[Dict[str, Any]], rank: int) -> Optional[DictConfig]:
     """Rank 0 logs to the job's `<job_name>.log`; rank N to `<job_name>_rank<N>.log` beside it.
 
     Ranks sharing one file would interleave and, with rotation, clobber each other.
+    `job_logging` comes resolved from the launcher, so no rank parses interpolations.
     """
-    if job_logging is None or rank == 0:
-        return job_logging
-    config = OmegaConf.to_container(job_logging, resolve=True)
-    assert isinstance(config, dict)
-    for handler in (config.get("handlers") or {}).values():
-        if isinstance(handler, dict) and handler.get("filename"):
-            path = Path(handler["filename"])
-            handler["filename"] = str(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
+    if job_logging is None:
+        return None
+    config = copy.deepcopy(job_logging)
+    if rank != 0:
+        for handler in (config.get("handlers") or {}).values():
+            if isinstance(handler, dict) and handler.get("filename"):
+                path = Path(handler["filename"])
+                handler["filename"] = str(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
     return OmegaConf.create(config)
+
+
+def _with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Hydra's state, plus the forkserver's plugin scan when this rank would scan the same.
+
+    `Singleton.set_state` rescans every plugin module unless the state holds a Plugins
+    instance; Hydra leaves it out of the pickled state on purpose.
+    """
+    preloaded = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._forkserver")
+    hydra_plugins = sys.modules.get("hydra_plugins")
+    if preloaded is None or hydra_plugins is None:
+        return state
+    if list(getattr(hydra_plugins, "__path__", [])) != preloaded.SCANNED_PATH:
+        return state
+    from hydra.core.plugins import Plugins
+
+    return {**state, "instances": {**state["instances"], Plugins: preloaded.PLUGINS}}
