@@ -1,0 +1,25 @@
+"""A Hydra app whose task function cannot be pickled: it holds a lock."""
+
+import threading
+
+import hydra
+from hydra.core.config_store import ConfigStore
+
+ConfigStore.instance().store(
+    name="config",
+    node={"hydra": {"callbacks": {"recorder": {"_target_": "recorder.Recorder"}}}},
+)
+
+
+def make_task():
+    lock = threading.Lock()
+
+    def task(cfg):
+        with lock:
+            return 1
+
+    return task
+
+
+if __name__ == "__main__":
+    hydra.main(version_base=None, config_name="config")(make_task())()

@@ -1,0 +1,155 @@
+"""A Hydra app whose ranks misbehave on demand (`mode=...`), for the launcher's fault tests.
+
+Every rank first records its pid in `<job dir>/pids/rank<R>_attempt<N>.pid`, so a test can
+wait for the ranks to be up and then prove they are gone. `recorder.Recorder` (a callback)
+records each job's outcome in `<sweep dir>/jobs.jsonl`.
+"""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+
+ConfigStore.instance().store(
+    name="config",
+    node={
+        # ok | allreduce | fail | sleep | flaky | lock_return | scan
+        "mode": "ok",
+        # fail: the rank that fails, and how: SIGKILL | SIGSEGV | exit3 | raise | none
+        "bad_rank": 1,
+        "how": "SIGKILL",
+        # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
+        "survivors": "sleep",
+        # jobs whose number is listed here do mode=ok instead
+        "good_jobs": [],
+        # sleep: ranks ignore SIGTERM and SIGINT (only SIGKILL stops them)
+        "ignore_signals": False,
+        # scan: a string to look for in files while the ranks run (not on the command
+        # line, where the user's own process would show it)
+        "marker": os.environ.get("FAULT_APP_MARKER", ""),
+        "hydra": {"callbacks": {"recorder": {"_target_": "recorder.Recorder"}}},
+    },
+)
+
+
+def _job_dir() -> Path:
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _record_pid(rank: int) -> None:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    pids = _job_dir() / "pids"
+    pids.mkdir(exist_ok=True)
+    tmp = pids / f".rank{rank}_attempt{attempt}.tmp"
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(pids / f"rank{rank}_attempt{attempt}.pid")  # appears complete or not at all
+
+
+def _forever() -> None:
+    while True:
+        time.sleep(1)
+
+
+def _fail(cfg, rank: int) -> None:
+    collective = cfg.survivors != "sleep"
+    if collective:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    if rank == cfg.bad_rank and cfg.how != "none":
+        (_job_dir() / "fail_time").write_text(repr(time.time()))
+        if cfg.how == "raise":
+            raise ValueError(f"boom from rank {rank}")
+        if cfg.how == "exit3":
+            os._exit(3)
+        os.kill(os.getpid(), getattr(signal, cfg.how))
+        _forever()
+    if cfg.survivors == "barrier":
+        dist.barrier()  # never returns: the failed rank does not come
+    elif cfg.survivors == "all_reduce":
+        dist.all_reduce(torch.ones(1))
+    if cfg.how != "none":
+        _forever()
+
+
+def _scan(marker: str) -> str:
+    """Files (job dir, temp dir) holding `marker`, with their and their dir's modes, and
+    the processes (this rank, its parent) whose command line holds it: one per line."""
+    import tempfile
+
+    import psutil
+
+    needle = marker.encode()
+    found = []
+    for root in (_job_dir(), Path(tempfile.gettempdir())):
+        for path in root.rglob("*"):
+            try:
+                if path.is_file() and needle in path.read_bytes():
+                    modes = f"{path.stat().st_mode & 0o777:o} {path.parent.stat().st_mode & 0o777:o}"
+                    found.append(f"{path} {modes}")
+            except OSError:
+                pass
+    me = psutil.Process()
+    for proc in [me, me.parent()]:
+        try:
+            if marker in " ".join(proc.cmdline()):
+                found.append(f"cmdline of pid {proc.pid}")
+        except psutil.Error:
+            pass
+    return "\n".join(found)
+
+
+@hydra.main(version_base=None, config_name="config")
+def main(cfg):
+    rank = int(os.environ["RANK"])
+    _record_pid(rank)
+    mode = "ok" if HydraConfig.get().job.num in cfg.good_jobs else cfg.mode
+
+    if mode == "allreduce":
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert int(total.item()) == dist.get_world_size()
+        dist.destroy_process_group()
+        mode = "ok"
+    if mode == "fail":
+        _fail(cfg, rank)
+        mode = "ok"
+    if mode == "ok":
+        (_job_dir() / f"done_rank{rank}").write_text(os.environ["MASTER_PORT"])
+        return {"rank": rank, "job": HydraConfig.get().job.num}
+    if mode == "sleep":
+        if cfg.ignore_signals:
+
+            def note(signum, frame):  # and carry on: only SIGKILL ends this rank
+                with (_job_dir() / f"signals_rank{rank}").open("a") as f:
+                    f.write(signal.Signals(signum).name + "\n")
+
+            signal.signal(signal.SIGTERM, note)
+            signal.signal(signal.SIGINT, note)
+        _forever()
+    if mode == "flaky":
+        attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        print(f"rank {rank} attempt {attempt}", flush=True)
+        if rank == cfg.bad_rank and attempt == 0:
+            raise RuntimeError(f"rank {rank} fails on attempt {attempt}")
+        return {"attempt": attempt, "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"])}
+    if mode == "lock_return":
+        return threading.Lock()
+    if mode == "scan":
+        (_job_dir() / f"scan_rank{rank}.txt").write_text(_scan(cfg.marker))
+        return rank
+    raise AssertionError(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

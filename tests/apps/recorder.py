@@ -1,0 +1,51 @@
+"""A Hydra callback that records, in the launcher process, what happened to every job.
+
+One JSON line per event in `<sweep dir>/jobs.jsonl`: the job's status and error (or return
+value) as the launcher handed them to Hydra, and the launcher's own open fds, threads,
+descendant processes and RSS at that moment.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+
+def _process_stats() -> dict:
+    me = psutil.Process()
+    return {
+        "fds": me.num_fds(),
+        "threads": me.num_threads(),
+        "descendants": sorted(p.pid for p in me.children(recursive=True)),
+        "rss": me.memory_info().rss,
+    }
+
+
+def _write(config: DictConfig, record: dict) -> None:
+    path = Path(str(config.hydra.sweep.dir)) / "jobs.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class Recorder(Callback):
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _write(config, {"event": "start", "num": config.hydra.job.num, "t": time.time(), **_process_stats()})
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        record = {
+            "event": "end",
+            "num": config.hydra.job.num,
+            "t": time.time(),
+            "status": job_return.status.name,
+        }
+        value = job_return._return_value  # `return_value` re-raises a failed job's error
+        if job_return.status == JobStatus.COMPLETED:
+            record["value"] = repr(value)
+        else:
+            record["error"] = f"{type(value).__name__}: {value}"
+        _write(config, {**record, **_process_stats()})
