@@ -8,9 +8,10 @@ agent's monitor loop is within `monitor_interval`.
 """
 
 import ctypes
+import sys
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Optional, Type
+from typing import Callable, Iterator, Optional, Type
 
 
 class JobDeadline(BaseException):
@@ -34,6 +35,44 @@ def raise_in_thread(thread_id: int, exc_type: Type[BaseException]) -> bool:
     return hits == 1
 
 
+# Frames in which torch holds ranks it has not handed to the agent yet, or is stopping
+# them: an exception raised there would leave ranks nobody stops.
+_UNSAFE_FRAMES = frozenset({"start_processes", "_start_workers", "_shutdown", "_close"})
+RETRY_S = 0.05
+
+
+def _in_unsafe_frame(thread_id: int) -> bool:
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name in _UNSAFE_FRAMES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def raise_when_safe(
+    thread_id: int, exc_type: Type[BaseException], lock: threading.Lock, wanted: Callable[[], bool]
+) -> None:
+    """Raise `exc_type` in the thread once it is outside torch's start and stop of the ranks.
+
+    `wanted()` is checked under `lock` right before raising (and the raise happens under
+    it), so the owner of the lock can withdraw the request for good.
+    """
+
+    def attempt() -> None:
+        with lock:
+            if not wanted():
+                return
+            if not _in_unsafe_frame(thread_id):
+                raise_in_thread(thread_id, exc_type)
+                return
+        retry = threading.Timer(RETRY_S, attempt)
+        retry.daemon = True
+        retry.start()
+
+    attempt()
+
+
 @contextmanager
 def deadline(seconds: Optional[float]) -> Iterator[None]:
     """Raise `JobDeadline` in the calling thread after `seconds` (no limit when None)."""
@@ -44,12 +83,7 @@ def deadline(seconds: Optional[float]) -> Iterator[None]:
     lock = threading.Lock()
     finished = False
 
-    def expire() -> None:
-        with lock:
-            if not finished:
-                raise_in_thread(target, JobDeadline)
-
-    timer = threading.Timer(seconds, expire)
+    timer = threading.Timer(seconds, raise_when_safe, (target, JobDeadline, lock, lambda: not finished))
     timer.daemon = True
     timer.start()
     try:

@@ -96,9 +96,8 @@ def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
     spec = {"cwd": cwd, "env": env, "command": [*conf.launch_prefix, *command]}
     spec_file = private_dir / "rank.json"
     _write_private(spec_file, json.dumps(spec).encode())
-    return AgentJob(
-        plan, launch_config, sys.executable, ["-m", RANK_MAIN, "exec", str(spec_file)], private_dir
-    )
+    entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
+    return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
 
 
 def _script_command(settings: JobSettings) -> List[str]:
@@ -135,6 +134,10 @@ def run_agent_job(job: AgentJob) -> Any:
     """
     conf = job.plan.settings.conf
     caught: Optional[int] = None
+    # Built in the except clauses, raised after them: raised inside one it would keep the
+    # caught error as __context__, and through its traceback the agent (store sockets,
+    # threads) for as long as Hydra keeps the JobReturn, i.e. the whole sweep.
+    failure: Optional[JobFailedError] = None
     try:
         with _signals.preserved_handlers(conf.signals_to_handle):
             try:
@@ -145,17 +148,19 @@ def run_agent_job(job: AgentJob) -> Any:
         if caught is None:
             return _node_return_value(job, outputs)
     except ChildFailedError as e:
-        raise describe(e, _stderr_logs(job)) from None
+        failure = describe(e, _stderr_logs(job))
     except JobDeadline:
-        raise JobFailedError(
+        failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
-        ) from None
+        )
     except JobInterrupted:
-        raise JobFailedError("the launcher was interrupted; the job's ranks were stopped") from None
+        failure = JobFailedError("the launcher was interrupted; the job's ranks were stopped")
     finally:
         job.console.close()
         if job.private_dir is not None:
             shutil.rmtree(job.private_dir, ignore_errors=True)
+    if failure is not None:
+        raise failure
     # the agent has stopped the ranks; now the launcher reacts to the signal as it would alone
     if threading.current_thread() is threading.main_thread():
         _signals.redeliver(caught)

@@ -7,6 +7,7 @@ ends, failed or not, so concurrent jobs never share a device. A stop (Ctrl-C, SI
 the main thread reaches every running agent, which stops its ranks.
 """
 
+import functools
 import logging
 import signal
 import threading
@@ -15,7 +16,7 @@ from types import FrameType, TracebackType
 from typing import Any, Callable, Dict, List, Optional, Type
 
 from . import _signals
-from ._interrupt import JobInterrupted, raise_in_thread
+from ._interrupt import JobInterrupted, raise_when_safe
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,12 @@ class ConcurrentJobs:
         """Stop every running job's ranks and start no new job."""
         with self._lock:
             self._stopping = True
-            for ident in self._running.values():
-                raise_in_thread(ident, JobInterrupted)
+            running = dict(self._running)
+        for idx, ident in running.items():
+            raise_when_safe(ident, JobInterrupted, self._lock, functools.partial(self._runs, idx, ident))
+
+    def _runs(self, idx: int, ident: int) -> bool:
+        return self._running.get(idx) == ident
 
     def __exit__(
         self,
