@@ -24,6 +24,7 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ._cluster import resolve_cluster
+from ._failures import JobFailedError
 from ._job import JobPlan, build_agent_job, run_agent_job
 from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import ConcurrentJobs
@@ -58,7 +59,7 @@ def launch(
     sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_key = str(sweep_dir.resolve())
 
-    pickled_task = _pickle_task(launcher.task_function)
+    pickled_task, task_error = _pickle_task(launcher.task_function)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
     configs: List[DictConfig] = []
@@ -79,10 +80,13 @@ def launch(
     log.info(f"Launching {len(plans)} jobs with torchrun")
     hydra_context = launcher.hydra_context
     returns: List[JobReturn] = []
-    if parallel_jobs == 1:
+    if parallel_jobs == 1 or task_error is not None:
         for plan, config in zip(plans, configs):
             job_devices = devices[: plan.nproc] if devices is not None else None
-            run = functools.partial(_run_agent, plan, job_devices)
+            if task_error is None:
+                run = functools.partial(_run_agent, plan, job_devices)
+            else:
+                run = functools.partial(_fail, task_error)
             returns.append(_run_job(hydra_context, plan, config, run))
             configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
         return returns
@@ -118,14 +122,19 @@ def _run_job(
     )
 
 
-def _pickle_task(task_function: Any) -> bytes:
+def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
+    """The task function, cloudpickled once per sweep; or why it cannot travel to the ranks."""
     try:
-        return cloudpickle.dumps(task_function)
+        return cloudpickle.dumps(task_function), None
     except Exception as e:
-        raise LauncherConfigError(
+        return b"", (
             f"the task function cannot be pickled for the ranks ({type(e).__name__}: {e}); "
             "a task holding a lock, an open file or a socket cannot travel to another process"
-        ) from e
+        )
+
+
+def _fail(message: str) -> Any:
+    raise JobFailedError(message)
 
 
 def _compose(
@@ -181,6 +190,7 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             job_num=idx,
             overrides=overrides,
             env=env,
+            failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
         ),
     )
 

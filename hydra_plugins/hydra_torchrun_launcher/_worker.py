@@ -10,6 +10,7 @@ so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton s
 import copy
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +37,7 @@ class RankPayload:
     job_num: int
     overrides: List[str]
     env: Dict[str, str] = field(default_factory=dict)
+    failure_grace_s: float = 0.0  # see _linger_before_failing
 
 
 def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
@@ -45,6 +47,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     importable module needs the app's import path first.
     """
     die_with_parent()
+    _release_forkserver()
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -58,6 +61,9 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     task = cloudpickle.loads(job.pickled_task)
     try:
         value = task(job.task_cfg)
+    except BaseException:
+        _linger_before_failing(job.failure_grace_s)
+        raise
     finally:
         _flush_loggers()
     if os.environ.get("LOCAL_RANK", "0") != "0":
@@ -144,3 +150,34 @@ def _with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     from hydra.core.plugins import Plugins
 
     return {**state, "instances": {**state["instances"], Plugins: preloaded.PLUGINS}}
+
+
+def _release_forkserver() -> None:
+    """Drop what this rank inherited of the launcher's forkserver.
+
+    Every process the forkserver forks (and every rank forked from the launcher) inherits
+    the write end of the pipe by which the forkserver learns that the launcher is gone.
+    While a rank holds it, the forkserver outlives a killed launcher, and so does the rank,
+    whose parent-death signal waits for the forkserver. A rank that starts processes with
+    the forkserver method itself gets a forkserver of its own.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    alive_fd = server._forkserver_alive_fd
+    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
+    if alive_fd is not None:
+        os.close(alive_fd)
+
+
+def _linger_before_failing(grace_s: float) -> None:
+    """Keep a failing rank's process alive for `grace_s` (two of the agent's polls).
+
+    Peers see a rank fail only when its process exits (their collectives break on the
+    closed connection) and then fail too, within milliseconds; the agent, polling every
+    `monitor_interval`, names the lowest rank among those it finds dead. Each failing rank
+    lingering alike keeps the one that failed first dead alone at the agent's next poll,
+    so the job's error is the root cause, not a peer's "connection reset".
+    """
+    if grace_s > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(grace_s)
