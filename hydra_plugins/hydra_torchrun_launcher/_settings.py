@@ -5,8 +5,9 @@ line naming the key at fault and what it accepts. Nothing here needs torch.
 """
 
 import re
+import typing
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
@@ -59,7 +60,7 @@ def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
             f"hydra.launcher.{unknown[0]} is not a key of the torchrun launcher "
             f"(keys: {', '.join(sorted(k for k in known if not k.startswith('_')))})"
         )
-    conf = TorchrunLauncherConf(**raw)
+    conf = TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()})
     min_nodes, max_nodes = parse_nnodes(conf.nnodes)
     _check_nproc(conf.nproc_per_node)
     _check_scalars(conf)
@@ -69,6 +70,40 @@ def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
         max_nodes=max_nodes,
         rdzv_conf=parse_rdzv_conf(conf.rdzv_conf),
         local_ranks_filter=parse_local_ranks_filter(conf.local_ranks_filter),
+    )
+
+
+_TYPE_HINTS = typing.get_type_hints(TorchrunLauncherConf)
+_TYPE_WORDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _typed(key: str, value: Any) -> Any:
+    """The value of a key checked against the key's type in TorchrunLauncherConf.
+
+    Numbers are taken as strings where a string is expected (`rdzv_id=5`), and lists of
+    strings take any scalars (`[numactl, --cpunodebind, 0]`) as strings.
+    """
+    hint = _TYPE_HINTS[key]
+    optional = type(None) in typing.get_args(hint)
+    if optional:
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    if value is None and optional or hint is Any:
+        return value
+    if typing.get_origin(hint) in (list, List):
+        if isinstance(value, (list, tuple)) and all(
+            isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value
+        ):
+            return [str(v) for v in value]
+        raise _refuse(key, value, "use a list of strings" + (" or null" if optional else ""))
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is float and number:
+        return float(value)
+    if hint is str and number:  # rdzv_id=5, master_addr from YAML
+        return str(value)
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    raise _refuse(
+        key, value, f"use {_TYPE_WORDS.get(hint, hint.__name__)}" + (" or null" if optional else "")
     )
 
 
