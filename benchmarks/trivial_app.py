@@ -18,7 +18,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -26,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from proc_clock import process_created
 
 
 def write_json(directory: str, name: str, record: Dict[str, Any]) -> None:
@@ -33,23 +34,6 @@ def write_json(directory: str, name: str, record: Dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
-
-
-def process_created() -> Optional[float]:
-    """time.time() at which this process was created (Linux, 10 ms ticks), else None.
-
-    From /proc: the process's start in clock ticks since boot against the uptime now, both
-    on the same clock, so the result is good to about one tick.
-    """
-    try:
-        with open("/proc/self/stat") as f:
-            stat = f.read()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except OSError:
-        return None
-    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class TimingCallback(Callback):

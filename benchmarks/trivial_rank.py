@@ -13,20 +13,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
 
-
-def process_created() -> Optional[float]:
-    """time.time() at which this process was created (Linux, 10 ms ticks), else None."""
-    try:
-        with open("/proc/self/stat") as f:
-            stat = f.read()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except OSError:
-        return None
-    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+from proc_clock import process_created  # noqa: E402
 
 
 def main() -> None:

@@ -399,6 +399,8 @@ def test_launcher_signal_handlers_are_the_same_after_its_jobs(
     # would replace the one and cancel the other)
     alarm_handler = signal.getsignal(signal.SIGALRM)
     alarm_before = signal.getitimer(signal.ITIMER_REAL)[0]
+    # torch's agent names the signals it handles in the launcher's environment
+    agent_signals_var = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
     for sig in watched:
         signal.signal(sig, _sentinel_handler)
     try:
@@ -425,6 +427,7 @@ def test_launcher_signal_handlers_are_the_same_after_its_jobs(
             signal.signal(sig, handler)
     assert all(handler is _sentinel_handler for handler in after.values()), after
     assert signal.getsignal(signal.SIGALRM) is alarm_handler
+    assert os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE") == agent_signals_var
     if alarm_before > 0:
         assert signal.getitimer(signal.ITIMER_REAL)[0] > 0, (
             "the launcher cancelled the process's SIGALRM timer"

@@ -1,10 +1,12 @@
 """The launcher's own signal handlers around the elastic agents it runs.
 
 The agent installs its own handlers (SIGTERM, SIGINT, ... raise `SignalException`) and
-never restores the old ones; a launcher that runs many jobs in one process must put its
-own back after every job, then let them react to the signal the agent caught.
+never restores the old ones (nor the environment variable that names them); a launcher
+that runs many jobs in one process must put its own back after every job, then let them
+react to the signal the agent caught.
 """
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
@@ -21,6 +23,11 @@ def signals_named(names: str) -> List[signal.Signals]:
     return found
 
 
+# torch's launch_agent tells its process context which signals to handle through this
+# variable of the launcher's own environment, and leaves it there
+_AGENT_SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+
+
 @contextmanager
 def preserved_handlers(signal_names: str) -> Iterator[None]:
     """Restore, on the way out, the handlers of the named signals (main thread only)."""
@@ -28,11 +35,16 @@ def preserved_handlers(signal_names: str) -> Iterator[None]:
         yield
         return
     saved: Dict[signal.Signals, Any] = {sig: signal.getsignal(sig) for sig in signals_named(signal_names)}
+    saved_var = os.environ.get(_AGENT_SIGNALS_VAR)
     try:
         yield
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if saved_var is None:
+            os.environ.pop(_AGENT_SIGNALS_VAR, None)
+        else:
+            os.environ[_AGENT_SIGNALS_VAR] = saved_var
 
 
 def redeliver(sig: int) -> None:
