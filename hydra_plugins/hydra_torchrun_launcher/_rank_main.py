@@ -18,8 +18,6 @@ from typing import Dict, List
 
 from hydra_plugins.hydra_torchrun_launcher._lifetime import die_with_parent
 
-RANK_FIELDS = ("rank", "local_rank")
-
 
 def substitute_rank(args: List[str], environ: Dict[str, str]) -> List[str]:
     """`{rank}` and `{local_rank}` in each argument, from torch elastic's RANK / LOCAL_RANK."""
