@@ -54,6 +54,16 @@ def _sweep_command(
     return [sys.executable, str(app_path), "-m", *LAUNCHER, f"hydra.sweep.dir={tmp_path / name}", *overrides]
 
 
+def _as_from_a_terminal() -> None:
+    """Signal dispositions of a command typed in a terminal, whatever this test runs under.
+
+    A background job of a non-interactive shell (as CI may run the tests) ignores SIGINT,
+    and the launcher, rightly, keeps ignoring what it was started ignoring.
+    """
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _env(**extra: str) -> Dict[str, str]:
     return dict(os.environ, HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1", **extra)
 
@@ -337,7 +347,13 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path: Path, name: str) -> No
     out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as stdout, err.open("w") as stderr:
         launcher = subprocess.Popen(
-            command, cwd=tmp_path, env=_env(), stdout=stdout, stderr=stderr, start_new_session=True
+            command,
+            cwd=tmp_path,
+            env=_env(),
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=_as_from_a_terminal,
         )
     ours = {launcher.pid}
     try:
@@ -623,3 +639,69 @@ def test_payload_never_reaches_a_file_others_can_read(tmp_path: Path, prefixed: 
         mode = path.stat().st_mode & 0o777
         raise AssertionError(f"the launcher left {relative} (mode {mode:o}) in the job dir")
     _assert_sweep_left_nothing(sweep_dir)
+
+
+WAITING_APP = """
+import os, time
+from pathlib import Path
+import hydra
+
+@hydra.main(version_base=None, config_path=None)
+def main(cfg):
+    marker_dir = Path(cfg.marker_dir)
+    (marker_dir / f"running_{os.environ['RANK']}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 120
+    while not (marker_dir / "release").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test never released this rank")
+        time.sleep(0.05)
+    return int(os.environ["RANK"])
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.timeout(180)
+def test_a_signal_the_launcher_ignores_stays_ignored(tmp_path: Path) -> None:
+    # a sweep started as a background job (or under nohup, for SIGHUP) ignores the signal;
+    # torch's agent would otherwise catch it and stop the job's ranks
+    app = tmp_path / "waiting_app.py"
+    app.write_text(WAITING_APP)
+    command = [
+        sys.executable,
+        str(app),
+        "-m",
+        *LAUNCHER,
+        f"hydra.sweep.dir={tmp_path / 'multirun'}",
+        f"+marker_dir={tmp_path}",
+    ]
+    with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
+        launcher = subprocess.Popen(
+            command,
+            cwd=tmp_path,
+            env=_env(),
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=_ignoring_sigint,
+        )
+    try:
+        _wait_for(
+            lambda: len(list(tmp_path.glob("running_*"))) == 2 or launcher.poll() is not None,
+            120,
+            "both ranks to run",
+        )
+        os.kill(launcher.pid, signal.SIGINT)  # dropped by the kernel: the launcher ignores it
+        (tmp_path / "release").touch()
+        returncode = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert returncode == 0, (tmp_path / "stderr.txt").read_text()
+    assert "death signal" not in (tmp_path / "stderr.txt").read_text()
+    assert_gone(int(p.read_text()) for p in tmp_path.glob("running_*"))

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.launcher.api import LaunchConfig
 
 from ._settings import JobSettings, LauncherConfigError
+from ._signals import not_ignored
 
 # plugin keys -> the LaunchConfig field that carries each (when torch has it)
 _FIELD_OF_KEY = {
@@ -144,7 +145,7 @@ def build_launch_config(
     optional = {
         "local_addr": conf.local_addr,
         "event_log_handler": conf.event_log_handler,
-        "signals_to_handle": conf.signals_to_handle,
+        "signals_to_handle": not_ignored(conf.signals_to_handle),
         "duplicate_stdout_filters": conf.duplicate_stdout_filters,
         "duplicate_stderr_filters": conf.duplicate_stderr_filters,
         "virtual_local_rank": conf.virtual_local_rank,

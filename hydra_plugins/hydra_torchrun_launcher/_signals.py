@@ -23,6 +23,18 @@ def signals_named(names: str) -> List[signal.Signals]:
     return found
 
 
+def not_ignored(names: str) -> str:
+    """The signals of `names` that the launcher does not ignore, as torch's comma list.
+
+    The agent would install a handler for every listed signal, so a sweep started under
+    `nohup` (SIGHUP ignored) or as a background job (SIGINT ignored) would still be
+    stopped by it; a signal the launcher ignores stays ignored while its jobs run.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return names  # the agent installs no handler outside the main thread
+    return ",".join(sig.name for sig in signals_named(names) if signal.getsignal(sig) != signal.SIG_IGN)
+
+
 # torch's launch_agent tells its process context which signals to handle through this
 # variable of the launcher's own environment, and leaves it there
 _AGENT_SIGNALS_VAR = "TORCHELASTIC_SIGNALS_TO_HANDLE"
