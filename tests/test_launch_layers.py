@@ -252,3 +252,41 @@ def test_console_shows_whole_prefixed_lines_and_files_keep_everything(
         raw = stdout_log.read_bytes()
         assert raw.startswith(f"\rrank {rank} progress   0% (eta 0s)\rrank {rank} progress  25%".encode())
         assert raw.endswith(f"\nrank {rank} done\n".encode())
+
+
+@pytest.mark.parametrize(
+    "flags, script",
+    [
+        (["hydra.launcher.module=true"], "train"),
+        (["hydra.launcher.run_path=true"], "train.py"),
+        (["hydra.launcher.no_python=true"], "train.sh"),
+    ],
+    ids=["module", "run_path", "no_python"],
+)
+def test_script_mode_flags_run_the_script_as_torchrun_would(
+    app: Path, tmp_path: Path, flags: list, script: str
+) -> None:
+    # ranks run in the job's dir: `python -m train` finds the module through env_set's PYTHONPATH
+    (tmp_path / "train.sh").write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "train.py"} "$@"\n')
+    (tmp_path / "train.sh").chmod(0o755)
+    sweep_dir = tmp_path / "sweep"
+    script_path = script if script == "train" else str(tmp_path / script)
+    env_path = f"+hydra.job.env_set.PYTHONPATH={tmp_path}"
+    run_app(
+        app,
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            f"hydra.launcher.training_script={script_path}",
+            "hydra.launcher.training_script_args=[--lr,'${lr}']",
+            *flags,
+            env_path,
+            f"hydra.sweep.dir={sweep_dir}",
+            "lr=0.3",
+        ],
+        cwd=tmp_path,
+    )
+    records = [json.loads((sweep_dir / "0" / f"script_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["lr"], r["world"]) for r in records] == [(0.3, 2), (0.3, 2)]
+    assert_gone(r["pid"] for r in records)
