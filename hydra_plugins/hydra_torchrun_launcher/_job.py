@@ -64,40 +64,46 @@ class AgentJob:
 
 def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
     """The launch config and rank entry point of a job; `devices` become its CUDA_VISIBLE_DEVICES."""
-    conf = plan.settings.conf
-    env = dict(plan.payload.env)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
     console = RankConsole()
-    launch_config = build_launch_config(
-        plan.settings,
-        plan.rendezvous,
-        nproc_per_node=plan.nproc,
-        log_dir=conf.log_dir or str(plan.output_dir / "torchrun_logs"),
-        console=console,
-    )
-    payload = dataclasses.replace(plan.payload, env=env)
-    if conf.training_script is None and not conf.launch_prefix:
-        return AgentJob(
-            plan, launch_config, run_rank, [list(sys.path), cloudpickle.dumps(payload)], None, console
+    private_dir: Optional[Path] = None
+    try:
+        conf = plan.settings.conf
+        env = dict(plan.payload.env)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        launch_config = build_launch_config(
+            plan.settings,
+            plan.rendezvous,
+            nproc_per_node=plan.nproc,
+            log_dir=conf.log_dir or str(plan.output_dir / "torchrun_logs"),
+            console=console,
         )
+        payload = dataclasses.replace(plan.payload, env=env)
+        if conf.training_script is None and not conf.launch_prefix:
+            args = [list(sys.path), cloudpickle.dumps(payload)]
+            return AgentJob(plan, launch_config, run_rank, args, None, console)
 
-    private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
-    cwd = plan.payload.working_dir
-    if conf.training_script is None:
-        payload_file = private_dir / "payload.pkl"
-        _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(payload))))
-        command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
-    else:
-        # a script runs in its job's dir, whatever hydra.job.chdir says: that is where its outputs belong
-        command = _script_command(plan.settings)
-        cwd = str(plan.output_dir)
-    spec = {"cwd": cwd, "env": env, "command": [*conf.launch_prefix, *command]}
-    spec_file = private_dir / "rank.json"
-    _write_private(spec_file, json.dumps(spec).encode())
-    entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
-    return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
+        private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
+        cwd = plan.payload.working_dir
+        if conf.training_script is None:
+            payload_file = private_dir / "payload.pkl"
+            _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(payload))))
+            command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
+        else:
+            # a script runs in its job's dir, whatever hydra.job.chdir says: its outputs belong there
+            command = _script_command(plan.settings)
+            cwd = str(plan.output_dir)
+        spec = {"cwd": cwd, "env": env, "command": [*conf.launch_prefix, *command]}
+        spec_file = private_dir / "rank.json"
+        _write_private(spec_file, json.dumps(spec).encode())
+        entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
+        return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
+    except BaseException:
+        console.close()
+        if private_dir is not None:
+            shutil.rmtree(private_dir, ignore_errors=True)
+        raise
 
 
 def _script_command(settings: JobSettings) -> List[str]:
