@@ -65,8 +65,11 @@ def launch(
     configs: List[DictConfig] = []
     notes = set()
     for i, overrides in enumerate(job_overrides):
-        config, settings, note = _compose(launcher, list(overrides), initial_job_idx + i)
-        plans.append(_plan(config, settings, pickled_task, sweep_key))
+        config = _compose(launcher, list(overrides), initial_job_idx + i)
+        # once per job: HydraConfig holds this job's config while its settings and state are read
+        with _hydra_config(config):
+            settings, note = _checked_settings(config)
+            plans.append(_plan(config, settings, pickled_task, sweep_key))
         configs.append(config)
         notes.add(note)
     for note in sorted(n for n in notes if n):
@@ -137,10 +140,8 @@ def _fail(message: str) -> Any:
     raise JobFailedError(message)
 
 
-def _compose(
-    launcher: "TorchrunLauncher", overrides: List[str], idx: int
-) -> "tuple[DictConfig, JobSettings, Optional[str]]":
-    """The job's config as run_job will see it, and its checked launcher settings."""
+def _compose(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> DictConfig:
+    """The job's config as run_job will see it."""
     assert launcher.hydra_context is not None and launcher.config is not None
     config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
     with open_dict(config):
@@ -150,15 +151,21 @@ def _compose(
         config.hydra.runtime.output_dir = os.path.abspath(
             os.path.join(str(config.hydra.sweep.dir), str(config.hydra.sweep.subdir))
         )
-    with _hydra_config(config):
-        settings = resolve_settings(config.hydra.launcher)
-    settings, note = resolve_cluster(settings, os.environ)
+    return config
+
+
+def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+    """The job's launcher settings (with what SLURM gives), checked; and the cluster log line."""
+    settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ)
     check_supported(settings)
-    return config, settings, note
+    return settings, note
 
 
 def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_key: str) -> JobPlan:
-    """What the job's ranks need, captured now: Hydra's global state is this job's only here."""
+    """What the job's ranks need, captured now: Hydra's global state is this job's only here.
+
+    Called with HydraConfig set to `config`.
+    """
     idx = int(config.hydra.job.num)
     output_dir = Path(config.hydra.runtime.output_dir)
     task_cfg = copy.deepcopy(config)
@@ -166,13 +173,12 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
         del task_cfg["hydra"]
     nproc = local_world_size(settings)
     env = _rank_env(config.hydra.job.env_set, nproc)
-    with _hydra_config(config):
-        pickled_state = cloudpickle.dumps(Singleton.get_state())
-        job_logging = (
-            OmegaConf.to_container(config.hydra.job_logging, resolve=True)
-            if config.hydra.job_logging is not None
-            else None
-        )
+    pickled_state = cloudpickle.dumps(Singleton.get_state())
+    job_logging = (
+        OmegaConf.to_container(config.hydra.job_logging, resolve=True)
+        if config.hydra.job_logging is not None
+        else None
+    )
     overrides = list(config.hydra.overrides.task)
     return JobPlan(
         idx=idx,
