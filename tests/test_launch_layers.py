@@ -10,6 +10,8 @@ from tests.conftest import assert_gone, run_app
 
 pytestmark = pytest.mark.timeout(240)
 
+MULTIRUN_2_RANKS = ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"]
+
 HYDRA_APP = """
 import os
 import hydra
@@ -70,9 +72,7 @@ def test_script_mode_runs_the_script_per_rank_in_each_job_dir(app: Path, tmp_pat
     result = run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             f"hydra.launcher.training_script={tmp_path / 'train.py'}",
             "hydra.launcher.training_script_args=[--lr,'${lr}']",
             f"hydra.sweep.dir={sweep_dir}",
@@ -100,9 +100,7 @@ def test_script_that_exits_non_zero_fails_its_job_with_its_stderr(app: Path, tmp
     result = run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             f"hydra.launcher.training_script={tmp_path / 'train.py'}",
             "hydra.launcher.training_script_args=[--lr,'${lr}',--fail]",
             f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -122,9 +120,7 @@ def test_launch_prefix_wraps_every_rank_of_a_task(app: Path, tmp_path: Path) -> 
     run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             f"hydra.launcher.launch_prefix=[env,'MARK=1','WRAPPER_LOG_DIR={tmp_path}',"
             f"'{sys.executable}','{tmp_path / 'wrapper.py'}','r{{rank}}-l{{local_rank}}']",
             "hydra.job.chdir=True",
@@ -175,9 +171,7 @@ if __name__ == "__main__":
     run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             "hydra.launcher.launch_prefix=[env,'MARK=1']",
             f"hydra.sweep.dir={sweep_dir}",
             "+hydra.callbacks.record._target_=__main__.Record",
@@ -230,9 +224,7 @@ def test_console_shows_whole_prefixed_lines_and_files_keep_everything(
     result = run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             f"hydra.sweep.dir={sweep_dir}",
             *extra,
         ],
@@ -275,9 +267,7 @@ def test_script_mode_flags_run_the_script_as_torchrun_would(
     run_app(
         app,
         [
-            "-m",
-            "hydra/launcher=torchrun",
-            "hydra.launcher.nproc_per_node=2",
+            *MULTIRUN_2_RANKS,
             f"hydra.launcher.training_script={script_path}",
             "hydra.launcher.training_script_args=[--lr,'${lr}']",
             *flags,
