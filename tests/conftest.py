@@ -9,8 +9,13 @@ from typing import Iterable, List, Sequence
 import psutil
 import pytest
 
-# multiprocessing's helpers live as long as the process that started them (here: pytest)
-_LONG_LIVED_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+# the launcher's warm server and multiprocessing's helpers live as long as the process
+# that started them (here: pytest)
+_LONG_LIVED_HELPERS = (
+    "multiprocessing.forkserver",
+    "multiprocessing.resource_tracker",
+    "hydra_torchrun_launcher._warm_server",
+)
 EXIT_WAIT_S = 15.0
 
 

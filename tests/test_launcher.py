@@ -218,7 +218,7 @@ def test_failed_rank_fails_its_job_and_the_sweep_goes_on(
     assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1_0", "ran_2_0", "ran_2_1"]
 
 
-def test_callbacks_fire_once_per_job_in_the_launcher(tmp_path: Path) -> None:
+def test_callbacks_fire_once_per_job_in_the_jobs_own_process(tmp_path: Path) -> None:
     app = tmp_path / "app.py"
     app.write_text(
         """
@@ -258,14 +258,17 @@ if __name__ == "__main__":
         cwd=tmp_path,
     )
     events = (sweep_dir / "events.txt").read_text().split("\n")[:-1]
-    pids = {line.split()[2] for line in events}
     assert [line.split()[:2] for line in events] == [
         ["start", "0"],
         ["end", "0"],
         ["start", "1"],
         ["end", "1"],
     ]
-    assert len(pids) == 1, "callbacks ran outside the launching process"
+    # each job's start and end in one process, the job's own: never a rank's, never another job's
+    job_pids = [{line.split()[2] for line in events if line.split()[1] == job} for job in ("0", "1")]
+    assert all(len(pids) == 1 for pids in job_pids) and job_pids[0] != job_pids[1]
+    rank_pids = {line.rsplit(" ", 1)[1] for line in result.stdout.splitlines() if "pid of rank" in line}
+    assert len(rank_pids) == 4 and not rank_pids & (job_pids[0] | job_pids[1])
     assert all(line.split()[3] == "7" for line in events if line.startswith("end"))
     # the console shows every rank's output, prefixed with its rank; files keep it too
     assert "[default0]:pid of rank 0" in result.stdout

@@ -22,7 +22,7 @@ Pure functions over an environ mapping, no torch: unit-testable anywhere.
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
 import hostlist
 
@@ -177,18 +177,24 @@ def derived_port(job_id: str, step_id: int) -> int:
     return PORT_BASE + int.from_bytes(digest[:4], "big") % PORT_SPAN
 
 
-def apply_layout(conf: TorchrunLauncherConf, layout: ClusterLayout) -> TorchrunLauncherConf:
+def apply_layout(
+    conf: TorchrunLauncherConf, layout: ClusterLayout, user_set: AbstractSet[str] = frozenset()
+) -> TorchrunLauncherConf:
     """A copy of `conf` whose keys still at the plugin's default take the detected values.
 
     nnodes, node_rank and rdzv_id come from the step; rdzv_backend static (the default)
     becomes c10d; an empty rdzv_endpoint of c10d becomes master_addr:master_port, each
     the user's where set, else node 0 of the step and the port derived from the job and
-    step ids. `standalone: true` keeps the job single-node (nothing changes).
+    step ids. `standalone: true` keeps the job single-node (nothing changes). A key in
+    `user_set` (the user gave it, e.g. `hydra.launcher.nnodes=1`) is the user's even when
+    it equals the default.
     """
-    return dataclasses.replace(conf, **_detected_values(conf, layout))
+    return dataclasses.replace(conf, **_detected_values(conf, layout, user_set))
 
 
-def resolve_cluster(settings: JobSettings, environ: Mapping[str, str]) -> Tuple[JobSettings, Optional[str]]:
+def resolve_cluster(
+    settings: JobSettings, environ: Mapping[str, str], user_set: AbstractSet[str] = frozenset()
+) -> Tuple[JobSettings, Optional[str]]:
     """A job's settings with what `cluster` detects applied, and the one line to log (or None)."""
     conf = settings.conf
     detection = inspect_environment(conf.cluster, environ)
@@ -196,7 +202,7 @@ def resolve_cluster(settings: JobSettings, environ: Mapping[str, str]) -> Tuple[
         return settings, detection.note
     if conf.standalone:
         return settings, f"{detection.note}; hydra.launcher.standalone=true: running single-node"
-    taken = _detected_values(conf, detection.layout)
+    taken = _detected_values(conf, detection.layout, user_set)
     new = dataclasses.replace(conf, **taken)
     min_nodes, max_nodes = parse_nnodes(new.nnodes)
     used = ", ".join(
@@ -207,23 +213,29 @@ def resolve_cluster(settings: JobSettings, environ: Mapping[str, str]) -> Tuple[
     return dataclasses.replace(settings, conf=new, min_nodes=min_nodes, max_nodes=max_nodes), line
 
 
-def _detected_values(conf: TorchrunLauncherConf, layout: ClusterLayout) -> Dict[str, Any]:
-    """The keys of `conf` still at the plugin's default, with the values the step gives them."""
+def _detected_values(
+    conf: TorchrunLauncherConf, layout: ClusterLayout, user_set: AbstractSet[str] = frozenset()
+) -> Dict[str, Any]:
+    """The keys of `conf` the user left alone, with the values the step gives them."""
     if conf.standalone:
         return {}
     default = TorchrunLauncherConf()
+
+    def left_alone(key: str) -> bool:
+        return key not in user_set and str(getattr(conf, key)) == str(getattr(default, key))
+
     taken: Dict[str, Any] = {}
-    if str(conf.nnodes) == str(default.nnodes):
+    if left_alone("nnodes"):
         taken["nnodes"] = layout.nnodes
-    if conf.node_rank == default.node_rank:
+    if left_alone("node_rank"):
         taken["node_rank"] = layout.node_rank
-    if conf.rdzv_id == default.rdzv_id:
+    if left_alone("rdzv_id"):
         taken["rdzv_id"] = layout.rdzv_id
     backend = conf.rdzv_backend
-    if backend == default.rdzv_backend:
+    if left_alone("rdzv_backend"):
         backend = taken["rdzv_backend"] = "c10d"
     if backend == "c10d" and not conf.rdzv_endpoint:
-        host = conf.master_addr if conf.master_addr != default.master_addr else layout.master_addr
+        host = layout.master_addr if left_alone("master_addr") else conf.master_addr
         port = conf.master_port if conf.master_port is not None else layout.port
         taken["rdzv_endpoint"] = f"{host}:{port}"
     return taken

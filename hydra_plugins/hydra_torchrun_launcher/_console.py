@@ -90,10 +90,18 @@ class ConsoleLogsSpecs(DefaultLogsSpecs):
     tailer, the job's console follows those files.
     """
 
-    def __init__(self, *args: object, console: RankConsole, prefix_template: Optional[str], **kwargs: object):
+    def __init__(
+        self,
+        *args: object,
+        console: RankConsole,
+        prefix_template: Optional[str],
+        label: str,
+        **kwargs: object,
+    ):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._console = console
         self._prefix_template = prefix_template
+        self._label = label
 
     def reify(self, envs: Dict[int, Dict[str, str]]) -> LogsDest:
         dest = super().reify(envs)
@@ -108,4 +116,4 @@ class ConsoleLogsSpecs(DefaultLogsSpecs):
             return Template(self._prefix_template).safe_substitute(
                 role_name=role, rank=env.get("RANK", ""), local_rank=local_rank
             )
-        return f"[{role}{local_rank}]:"
+        return f"[{self._label}{role}{local_rank}]:"

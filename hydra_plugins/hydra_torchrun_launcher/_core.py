@@ -1,44 +1,41 @@
-"""The work of `TorchrunLauncher.launch`: every sweep job as one torch elastic job.
+"""The work of `TorchrunLauncher.launch`: every sweep job as one torch elastic job, alone.
 
-Per job: compose the job's config, read its launcher settings from that config (so launcher
-keys may interpolate swept values), capture what its ranks need, and let Hydra's `run_job`
-do the job's bookkeeping in this process (output dir, .hydra files, callbacks, logging)
-around the job's elastic agent (`_job`). With `parallel_jobs` > 1 the agents of several
-jobs run at once (`_pool`) while `run_job` still runs here, in job order.
+First every job is composed and its launcher settings resolved from its own config (so
+launcher keys may interpolate swept values) and checked: a bad setting stops the sweep
+before any process starts. Then each job runs in a process of its own, forked from the
+launcher's warm server (`_warm_server`), where Hydra's `run_job` does the job's bookkeeping
+and torch's elastic agent runs its ranks (`_job_process`). Up to `parallel_jobs` such
+processes run at once (`_pool`); the same code path runs one at a time.
 """
 
 import copy
-import functools
 import logging
-import multiprocessing
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
-from hydra.types import HydraContext
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ._cluster import resolve_cluster
-from ._failures import JobFailedError
-from ._job import JobPlan, build_agent_job, run_agent_job
+from ._job import JobPlan
+from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
-from ._pool import ConcurrentJobs
+from ._pool import SweepStopped, react_to_stop, run_jobs
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
+from ._signals import signals_named
+from ._warm_server import GROUP_SIGNALS, warm_server
 from ._worker import RankPayload
 
 if TYPE_CHECKING:
     from .torchrun_launcher import TorchrunLauncher
 
 log = logging.getLogger(__name__)
-
-# Imported once by the forkserver, then inherited by every rank it forks: the ranks of a
-# sweep's jobs start without paying for an interpreter and a torch import each.
-FORKSERVER_PRELOAD = ["hydra_plugins.hydra_torchrun_launcher._forkserver"]
 
 # keys that shape the whole sweep rather than one job: every job must agree on them
 _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices")
@@ -62,67 +59,79 @@ def launch(
     pickled_task, task_error = _pickle_task(launcher.task_function)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
-    configs: List[DictConfig] = []
+    configs: Dict[int, DictConfig] = {}
+    states: Dict[int, bytes] = {}
     notes = set()
     for i, overrides in enumerate(job_overrides):
         config = _compose(launcher, list(overrides), initial_job_idx + i)
         # once per job: HydraConfig holds this job's config while its settings and state are read
         with _hydra_config(config):
             settings, note = _checked_settings(config)
-            plans.append(_plan(config, settings, pickled_task, sweep_key))
-        configs.append(config)
+            state = cloudpickle.dumps(Singleton.get_state())
+            plan = _plan(config, settings, pickled_task, state, sweep_key)
+        plans.append(plan)
+        configs[plan.idx] = config
+        states[plan.idx] = state
         notes.add(note)
     for note in sorted(n for n in notes if n):
         log.info(note)
     if not plans:
         return []
     parallel_jobs, devices = _sweep_wide(plans)
-    if any(plan.settings.conf.start_method == "forkserver" for plan in plans):
-        _start_forkserver()
+    if parallel_jobs > 1:
+        for plan in plans:
+            plan.console_label = f"#{plan.idx} "
+    server = warm_server()
+    hydra_context = launcher.hydra_context
+    signal_names = ",".join(GROUP_SIGNALS)
+
+    def request_for(plan: JobPlan, job_devices: Optional[List[str]]) -> bytes:
+        # the launcher's state as it is now, when the job starts
+        return encode_request(
+            JobRequest(
+                plan=plan,
+                config=configs[plan.idx],
+                hydra_context=hydra_context,
+                pickled_state=states[plan.idx],
+                environ=dict(os.environ),
+                cwd=os.getcwd(),
+                ignored_signals=_ignored_signals(),
+                devices=job_devices,
+                task_error=task_error,
+            )
+        )
+
+    def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
+        on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
+        log.info(f"\t#{plan.idx} : {' '.join(filter_overrides(plan.overrides))}{on}")
 
     log.info(f"Launching {len(plans)} jobs with torchrun")
-    hydra_context = launcher.hydra_context
-    returns: List[JobReturn] = []
-    if parallel_jobs == 1 or task_error is not None:
-        for plan, config in zip(plans, configs):
-            job_devices = devices[: plan.nproc] if devices is not None else None
-            if task_error is None:
-                run = functools.partial(_run_agent, plan, job_devices)
-            else:
-                run = functools.partial(_fail, task_error)
-            returns.append(_run_job(hydra_context, plan, config, run))
-            configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
-        return returns
-
-    signals = plans[0].settings.conf.signals_to_handle
-    with ConcurrentJobs(parallel_jobs, devices, signals) as pool:
-        futures = [pool.submit(plan.idx, plan.nproc, functools.partial(_run_agent, plan)) for plan in plans]
-        for plan, config, future in zip(plans, configs, futures):
-            returns.append(_run_job(hydra_context, plan, config, future.result))
-            configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
-    return returns
+    try:
+        return run_jobs(
+            server,
+            plans,
+            parallel_jobs,
+            devices,
+            request_for,
+            _hard_limit_s,
+            on_start,
+            signal_names,
+        )
+    except SweepStopped as stopped:
+        react_to_stop(stopped, "the sweep was stopped; its running jobs' ranks were stopped")
+        raise
 
 
-def _run_agent(plan: JobPlan, devices: Optional[List[str]]) -> Any:
-    return run_agent_job(build_agent_job(plan, devices))
+def _hard_limit_s(plan: JobPlan) -> Optional[float]:
+    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
+    conf = plan.settings.conf
+    if conf.job_timeout is None:
+        return None
+    return conf.job_timeout + 2 * conf.shutdown_timeout + 30.0
 
 
-def _run_job(
-    hydra_context: HydraContext, plan: JobPlan, config: DictConfig, result: Callable[[], Any]
-) -> JobReturn:
-    """Hydra's run_job around the job's agent: its return is rank 0's, its failure the job's."""
-    log.info(f"\t#{plan.idx} : {' '.join(filter_overrides(plan.overrides))}")
-
-    def distributed_task(task_cfg: DictConfig) -> Any:
-        return result()
-
-    return run_job(
-        hydra_context=hydra_context,
-        task_function=distributed_task,
-        config=config,
-        job_dir_key="hydra.sweep.dir",
-        job_subdir_key="hydra.sweep.subdir",
-    )
+def _ignored_signals() -> List[int]:
+    return [sig for sig in signals_named(",".join(GROUP_SIGNALS)) if signal.getsignal(sig) == signal.SIG_IGN]
 
 
 def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
@@ -134,10 +143,6 @@ def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
             f"the task function cannot be pickled for the ranks ({type(e).__name__}: {e}); "
             "a task holding a lock, an open file or a socket cannot travel to another process"
         )
-
-
-def _fail(message: str) -> Any:
-    raise JobFailedError(message)
 
 
 def _compose(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> DictConfig:
@@ -156,12 +161,24 @@ def _compose(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> Di
 
 def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
     """The job's launcher settings (with what SLURM gives), checked; and the cluster log line."""
-    settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ)
+    settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ, _keys_set(config))
     check_supported(settings)
     return settings, note
 
 
-def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_key: str) -> JobPlan:
+def _keys_set(config: DictConfig) -> Set[str]:
+    """Launcher keys the user gave on the command line (`hydra.launcher.nnodes=1`, `++...`)."""
+    keys = set()
+    for override in config.hydra.overrides.hydra:
+        name = str(override).lstrip("+~").split("=", 1)[0]
+        if name.startswith("hydra.launcher."):
+            keys.add(name[len("hydra.launcher.") :])
+    return keys
+
+
+def _plan(
+    config: DictConfig, settings: JobSettings, pickled_task: bytes, pickled_state: bytes, sweep_key: str
+) -> JobPlan:
     """What the job's ranks need, captured now: Hydra's global state is this job's only here.
 
     Called with HydraConfig set to `config`.
@@ -172,8 +189,6 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
     nproc = local_world_size(settings)
-    env = _rank_env(config.hydra.job.env_set, nproc)
-    pickled_state = cloudpickle.dumps(Singleton.get_state())
     job_logging = (
         OmegaConf.to_container(config.hydra.job_logging, resolve=True)
         if config.hydra.job_logging is not None
@@ -192,12 +207,11 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             pickled_state=pickled_state,
             task_cfg=task_cfg,
             job_logging=job_logging,  # type: ignore[arg-type]
-            working_dir=str(output_dir) if _chdir(config) else os.getcwd(),
             job_num=idx,
             overrides=overrides,
-            env=env,
             failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
         ),
+        launch_dir=os.getcwd(),
     )
 
 
@@ -212,14 +226,6 @@ def _hydra_config(config: DictConfig) -> Iterator[None]:
         HydraConfig.instance().cfg = previous
 
 
-def _chdir(config: DictConfig) -> bool:
-    """Whether run_job will enter the job dir (hydra.job.chdir; None means the pre-1.2 default)."""
-    from hydra import version
-
-    chdir = config.hydra.job.chdir
-    return bool(chdir) if chdir is not None else not version.base_at_least("1.2")
-
-
 def _sweep_wide(plans: List[JobPlan]) -> "tuple[int, Optional[List[str]]]":
     """parallel_jobs and the devices to share out, checked against every job."""
     first = plans[0].settings.conf
@@ -231,6 +237,14 @@ def _sweep_wide(plans: List[JobPlan]) -> "tuple[int, Optional[List[str]]]":
                     "it applies to the whole sweep and must be the same for every job"
                 )
     parallel_jobs = first.parallel_jobs
+    for plan in plans:
+        if parallel_jobs > 1 and not plan.rendezvous.endpoint.endswith(":0"):
+            key = "rdzv_endpoint" if plan.settings.conf.rdzv_endpoint else "master_port"
+            raise LauncherConfigError(
+                f"hydra.launcher.{key}={getattr(plan.settings.conf, key)} cannot serve "
+                f"parallel_jobs={parallel_jobs}: jobs running at once would join one rendezvous; "
+                f"leave {key} unset (each job then gets a free port of its own)"
+            )
     if parallel_jobs > 1 and any(plan.settings.max_nodes > 1 for plan in plans):
         raise LauncherConfigError(
             f"hydra.launcher.parallel_jobs={parallel_jobs} is invalid for a multi-node sweep: "
@@ -259,25 +273,3 @@ def _visible_devices() -> Optional[List[str]]:
 
     count = torch.cuda.device_count()
     return [str(i) for i in range(count)] if count else None
-
-
-def _start_forkserver() -> None:
-    """Start the forkserver now, from the launcher's own environment.
-
-    Started lazily it would inherit whatever the first job's `env_set` put in os.environ;
-    started here it also imports torch while this process composes the first job.
-    """
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
-
-
-def _rank_env(env_set: DictConfig, nproc: int) -> Dict[str, str]:
-    container = OmegaConf.to_container(env_set, resolve=True)
-    assert isinstance(container, dict)
-    env = {str(k): str(v) for k, v in container.items()}
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
-        # as torchrun: ranks sharing a node do not each start a thread per core
-        env["OMP_NUM_THREADS"] = "1"
-    return env

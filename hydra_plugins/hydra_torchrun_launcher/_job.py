@@ -1,4 +1,4 @@
-"""One sweep job's torch elastic agent: what it starts in each rank, running it, its outcome.
+"""One sweep job's torch elastic agent, run in the job's own process (`_job_process`).
 
 A job's ranks run one of three things:
 - the task function, in-process (`_worker.run_rank` through the forkserver): the default;
@@ -9,14 +9,14 @@ Real-process ranks get their settings through files in a private directory (0700
 0600), removed when the job ends; nothing is ever put into a shell string.
 """
 
-import dataclasses
+import inspect
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -26,11 +26,10 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import _signals
 from ._console import RankConsole
 from ._failures import JobFailedError, describe
-from ._interrupt import JobDeadline, JobInterrupted, deadline
 from ._launch_config import Rendezvous, build_launch_config
+from ._rank_forkserver import start_rank_forkserver
 from ._settings import JobSettings
 from ._worker import RankPayload, run_rank
 
@@ -50,6 +49,10 @@ class JobPlan:
     nproc: int
     output_dir: Path
     payload: RankPayload
+    # the directory the sweep was launched from: relative script paths and log_dir start there
+    launch_dir: str
+    # what the console puts before each rank's lines ("" or the job's number when jobs overlap)
+    console_label: str = ""
 
 
 @dataclass
@@ -62,41 +65,103 @@ class AgentJob:
     console: RankConsole
 
 
-def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
-    """The launch config and rank entry point of a job; `devices` become its CUDA_VISIBLE_DEVICES."""
+def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optional[str] = None) -> Any:
+    """Run the job's elastic agent in this (the job's own) process; rank 0's value, or JobFailedError.
+
+    Called by Hydra's run_job, so the job's dir, env_set and callbacks are in place: what
+    this process holds now is what its ranks inherit.
+    """
+    if task_error is not None:
+        raise JobFailedError(task_error)
+    conf = plan.settings.conf
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    if plan.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun: ranks sharing a node do not each start a thread per core
+        os.environ["OMP_NUM_THREADS"] = "1"
+    if conf.training_script is not None:
+        # a script runs in its job's dir, whatever hydra.job.chdir says: its outputs belong there
+        os.chdir(plan.output_dir)
+        if conf.module:
+            # `python -m` finds the module where the sweep was launched, as torchrun's would
+            path = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
+    _hold_shutdown_timeout(conf.shutdown_timeout)
+    stop_forkserver = start_rank_forkserver() if conf.start_method == "forkserver" else (lambda: None)
+    try:
+        job = build_agent_job(plan)
+        try:
+            return _run_agent(job)
+        finally:
+            job.console.close()
+            if job.private_dir is not None:
+                shutil.rmtree(job.private_dir, ignore_errors=True)
+    finally:
+        stop_forkserver()
+
+
+def _hold_shutdown_timeout(seconds: float) -> None:
+    """Make a rank failure stop the survivors within `shutdown_timeout`, not torch's 30 s.
+
+    On a rank's failure torch's agent calls `ProcessContext.join` without a grace period,
+    which then waits a hard-coded 30 s between SIGTERM and SIGKILL: a survivor that handles
+    SIGTERM (Lightning, any checkpoint-on-SIGTERM code) keeps the job alive that long.
+    `join` takes the grace period as a documented argument; in this process, which runs
+    one job's agent and nothing else, it defaults to the job's `shutdown_timeout`.
+    """
+    from torch.multiprocessing.spawn import ProcessContext
+
+    join = ProcessContext.join
+    if getattr(join, "grace_default", None) == seconds:
+        return
+    original = getattr(join, "original", join)
+    if "grace_period" not in inspect.signature(original).parameters:
+        log.warning(
+            "this torch's ProcessContext.join takes no grace_period: after a rank fails, "
+            "its peers get 30 s (not hydra.launcher.shutdown_timeout) before SIGKILL"
+        )
+        return
+
+    def join_within_shutdown_timeout(
+        self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None
+    ) -> Any:
+        return original(self, timeout, seconds if grace_period is None else grace_period)
+
+    join_within_shutdown_timeout.original = original  # type: ignore[attr-defined]
+    join_within_shutdown_timeout.grace_default = seconds  # type: ignore[attr-defined]
+    ProcessContext.join = join_within_shutdown_timeout  # type: ignore[method-assign]
+
+
+def build_agent_job(plan: JobPlan) -> AgentJob:
+    """The launch config and rank entry point of a job."""
     console = RankConsole()
     private_dir: Optional[Path] = None
     try:
         conf = plan.settings.conf
-        env = dict(plan.payload.env)
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         plan.output_dir.mkdir(parents=True, exist_ok=True)
+        default_log_dir = str(plan.output_dir / "torchrun_logs")
+        log_dir = os.path.join(plan.launch_dir, conf.log_dir) if conf.log_dir else default_log_dir
         launch_config = build_launch_config(
             plan.settings,
             plan.rendezvous,
             nproc_per_node=plan.nproc,
-            log_dir=conf.log_dir or str(plan.output_dir / "torchrun_logs"),
+            log_dir=log_dir,
             console=console,
+            console_label=plan.console_label,
         )
-        payload = dataclasses.replace(plan.payload, env=env)
         if conf.training_script is None and not conf.launch_prefix:
-            args = [list(sys.path), cloudpickle.dumps(payload)]
+            args = [list(sys.path), cloudpickle.dumps(plan.payload)]
             return AgentJob(plan, launch_config, run_rank, args, None, console)
 
         private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
-        cwd = plan.payload.working_dir
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
-            _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(payload))))
+            _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload))))
             command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
         else:
-            # a script runs in its job's dir, whatever hydra.job.chdir says: its outputs belong there
-            command = _script_command(plan.settings)
-            cwd = str(plan.output_dir)
-        spec = {"cwd": cwd, "env": env, "command": [*conf.launch_prefix, *command]}
+            command = _script_command(plan)
         spec_file = private_dir / "rank.json"
-        _write_private(spec_file, json.dumps(spec).encode())
+        _write_private(spec_file, json.dumps({"command": [*conf.launch_prefix, *command]}).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
         return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
     except BaseException:
@@ -106,23 +171,24 @@ def build_agent_job(plan: JobPlan, devices: Optional[List[str]]) -> AgentJob:
         raise
 
 
-def _script_command(settings: JobSettings) -> List[str]:
-    """The command of a rank in script mode, as torchrun builds it."""
-    conf = settings.conf
+def _script_command(plan: JobPlan) -> List[str]:
+    """The command of a rank in script mode, as torchrun builds it from the launch dir.
+
+    The rank runs in its job dir, so a script path is taken relative to the directory the
+    sweep was launched from (a bare command name of `no_python` is looked up on PATH).
+    """
+    conf = plan.settings.conf
     assert conf.training_script is not None
+    script = conf.training_script
+    if not conf.module and (not conf.no_python or os.sep in script):
+        script = os.path.join(plan.launch_dir, script)
     if conf.no_python:
-        return [conf.training_script, *conf.training_script_args]
+        return [script, *conf.training_script_args]
     if conf.run_path:
         code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        return [sys.executable, "-u", "-c", code, conf.training_script, *conf.training_script_args]
+        return [sys.executable, "-u", "-c", code, script, *conf.training_script_args]
     module = ["-m"] if conf.module else []
-    return [
-        os.environ.get("PYTHON_EXEC", sys.executable),
-        "-u",
-        *module,
-        conf.training_script,
-        *conf.training_script_args,
-    ]
+    return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", *module, script, *conf.training_script_args]
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -131,46 +197,45 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def run_agent_job(job: AgentJob) -> Any:
-    """Run the job's agent to the end; its node's return value, or JobFailedError.
+class JobDeadline(BaseException):
+    """The job ran past `job_timeout`.
 
-    In the main thread the agent's own signal handlers are in force while it runs (it
-    forwards SIGINT/SIGTERM to the ranks and stops them); the launcher's handlers are put
-    back afterwards and the signal handed to them.
+    BaseException, so no `except Exception` inside torch's agent takes it for a worker
+    error; the agent's own shutdown path stops the ranks on the way out.
+    """
+
+
+def _raise_deadline(signum: int, frame: Any) -> None:
+    raise JobDeadline()
+
+
+def _run_agent(job: AgentJob) -> Any:
+    """Run the agent in this process's main thread: torch's signal handling is in force.
+
+    A stop signal (Ctrl-C, SIGTERM forwarded by the launcher) makes the agent stop the
+    ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM.
     """
     conf = job.plan.settings.conf
-    caught: Optional[int] = None
-    # Built in the except clauses, raised after them: raised inside one it would keep the
-    # caught error as __context__, and through its traceback the agent (store sockets,
-    # threads) for as long as Hydra keeps the JobReturn, i.e. the whole sweep.
     failure: Optional[JobFailedError] = None
+    if conf.job_timeout is not None:
+        signal.signal(signal.SIGALRM, _raise_deadline)
+        signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
-        with _signals.preserved_handlers(conf.signals_to_handle):
-            try:
-                with deadline(conf.job_timeout):
-                    outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
-            except SignalException as e:
-                caught = e.sigval
-        if caught is None:
-            return _node_return_value(job, outputs)
+        outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return _node_return_value(job, outputs)
     except ChildFailedError as e:
         failure = describe(e, _stderr_logs(job))
+    except SignalException as e:
+        failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
         )
-    except JobInterrupted:
-        failure = JobFailedError("the launcher was interrupted; the job's ranks were stopped")
     finally:
-        job.console.close()
-        if job.private_dir is not None:
-            shutil.rmtree(job.private_dir, ignore_errors=True)
-    if failure is not None:
-        raise failure
-    # the agent has stopped the ranks; now the launcher reacts to the signal as it would alone
-    if threading.current_thread() is threading.main_thread():
-        _signals.redeliver(caught)
-    raise JobFailedError(f"the job was stopped by signal {caught}")
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    # raised here, not in an except clause: the agent's frames stay out of the error's context
+    raise failure
 
 
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
@@ -178,7 +243,12 @@ def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
     if job.plan.settings.conf.training_script is not None:
         return None
     if job.private_dir is not None:
-        returned = sorted(job.private_dir.glob("return_*.pkl"), key=lambda p: int(p.stem.split("_")[1]))
+        # return_<attempt>_<rank>.pkl: the last attempt's lowest rank (rank 0 on node 0)
+        def order(path: Path) -> "tuple[int, int]":
+            _, attempt, rank = path.stem.split("_")
+            return -int(attempt), int(rank)
+
+        returned = sorted(job.private_dir.glob("return_*_*.pkl"), key=order)
         return cloudpickle.loads(returned[0].read_bytes()) if returned else None
     pickled = outputs[min(outputs)]
     return None if pickled is None else cloudpickle.loads(pickled)

@@ -125,8 +125,12 @@ def build_launch_config(
     nproc_per_node: int,
     log_dir: str,
     console: Optional[Any] = None,
+    console_label: str = "",
 ) -> LaunchConfig:
-    """torch's LaunchConfig for the job; `console` (a RankConsole) prints the ranks' output."""
+    """torch's LaunchConfig for the job; `console` (a RankConsole) prints the ranks' output.
+
+    `console_label` goes before each rank's default prefix (the job's number, when jobs overlap).
+    """
     conf = settings.conf
     have = launch_config_fields()
     kwargs: Dict[str, Any] = dict(
@@ -144,7 +148,7 @@ def build_launch_config(
     )
     optional = {
         "local_addr": conf.local_addr,
-        "event_log_handler": conf.event_log_handler,
+        "event_log_handler": conf.event_log_handler or "null",
         "signals_to_handle": not_ignored(conf.signals_to_handle),
         "duplicate_stdout_filters": conf.duplicate_stdout_filters,
         "duplicate_stderr_filters": conf.duplicate_stderr_filters,
@@ -156,7 +160,7 @@ def build_launch_config(
     if "numa_options" in have and conf.numa_binding is not None:
         kwargs["numa_options"] = _numa_options(conf.numa_binding)
     if "logs_specs" in have:
-        kwargs["logs_specs"] = _logs_specs(settings, log_dir, console)
+        kwargs["logs_specs"] = _logs_specs(settings, log_dir, console, console_label)
     else:
         from torch.distributed.elastic.multiprocessing import Std
 
@@ -168,7 +172,7 @@ def build_launch_config(
     return LaunchConfig(**kwargs)
 
 
-def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any]) -> Any:
+def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], console_label: str) -> Any:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     conf = settings.conf
@@ -184,7 +188,9 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any]) -> 
     if console is not None and not torch_tees:
         from ._console import ConsoleLogsSpecs
 
-        return ConsoleLogsSpecs(**common, console=console, prefix_template=_prefix_template(conf))
+        return ConsoleLogsSpecs(
+            **common, console=console, prefix_template=_prefix_template(conf), label=console_label
+        )
     if conf.logs_specs is not None:
         from torch.distributed.run import _get_logs_specs_class
 

@@ -1,126 +1,245 @@
-"""Several sweep jobs at once on one node (`parallel_jobs` > 1), each on devices of its own.
+"""Run a sweep's jobs, each in a process of its own, up to `parallel_jobs` at a time.
 
-Each running job's elastic agent runs in a thread of its own; the main thread keeps doing
-Hydra's per-job bookkeeping in job order and collects results in job order. A job takes
-`nproc_per_node` devices from the pool before its ranks start and gives them back when it
-ends, failed or not, so concurrent jobs never share a device. A stop (Ctrl-C, SIGTERM) in
-the main thread reaches every running agent, which stops its ranks.
+One code path for `parallel_jobs: 1` and `> 1`: the launcher's main thread starts job
+processes through the warm server (in job order, as devices free up), waits for their
+results, and hands back one `JobReturn` per job in job order. Concurrent jobs share no
+process, so they share no process-global state.
+
+Signals: while jobs run, a stop signal the launcher receives (Ctrl-C, SIGTERM, ...) is
+passed on to every running job process, whose elastic agent stops its ranks through
+torch's own shutdown path; no further job starts. When they have all ended, the
+launcher's own handlers are back and the signal does what it would have done: the app's
+handler runs, or the launcher ends with one line and the signal's exit status. A signal
+the launcher ignores stays ignored by every job. A second signal during the stop kills
+the job processes at once (their ranks die with them) and never leaves a handler of ours
+behind. Job processes run in a process group of their own, so a terminal's Ctrl-C reaches
+them once, through the launcher.
 """
 
-import functools
 import logging
+import os
+import selectors
 import signal
+import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from types import FrameType, TracebackType
-from typing import Any, Callable, Dict, List, Optional, Type
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from . import _signals
-from ._interrupt import JobInterrupted, raise_when_safe
+import cloudpickle
+from hydra.core.utils import JobReturn, JobStatus
+
+from ._failures import JobFailedError
+from ._signals import signals_named
+from ._warm_server import WarmServer
 
 log = logging.getLogger(__name__)
+
+# after a stop or deadline, how long a job process may take beyond its ranks' shutdown
+_STOP_MARGIN_S = 30.0
 
 
 class DevicePool:
     """Device ids shared out to running jobs, each id to one job at a time."""
 
-    def __init__(self, devices: List[str]) -> None:
-        self._free = list(devices)
-        self._changed = threading.Condition()
+    def __init__(self, devices: Optional[List[str]]) -> None:
+        self._free = list(devices) if devices is not None else None
 
-    def take(self, count: int) -> List[str]:
-        """Block until `count` devices are free; the lowest free ids, in order."""
-        with self._changed:
-            self._changed.wait_for(lambda: len(self._free) >= count)
-            taken, self._free = self._free[:count], self._free[count:]
-            return taken
+    def take(self, count: int) -> "tuple[bool, Optional[List[str]]]":
+        """(True, the lowest free ids) when `count` are free; (True, None) without devices."""
+        if self._free is None:
+            return True, None
+        if len(self._free) < count:
+            return False, None
+        taken, self._free = self._free[:count], self._free[count:]
+        return True, taken
 
-    def give_back(self, devices: List[str]) -> None:
-        with self._changed:
+    def give_back(self, devices: Optional[List[str]]) -> None:
+        if self._free is not None and devices:
             self._free = sorted(self._free + devices, key=_device_order)
-            self._changed.notify_all()
 
 
 def _device_order(device: str) -> Any:
     return (0, int(device)) if device.isdigit() else (1, device)
 
 
-class LauncherStopped(BaseException):
-    """A signal told the launcher to stop while jobs ran in worker threads."""
+@dataclass
+class RunningJob:
+    idx: int
+    pid: int
+    result_r: int
+    devices: Optional[List[str]]
+    kill_after: Optional[float]  # monotonic time after which the job process is killed
+    data: List[bytes] = field(default_factory=list)
+
+
+class SweepStopped(BaseException):
+    """Raised after a stop signal, once every running job has stopped."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
-class ConcurrentJobs:
-    """Run up to `parallel_jobs` jobs at a time; `submit` returns a Future of the job's value.
+def run_jobs(
+    server: WarmServer,
+    jobs: List[Any],
+    parallel_jobs: int,
+    devices: Optional[List[str]],
+    request_for: Callable[[Any, Optional[List[str]]], bytes],
+    hard_limit_s: Callable[[Any], Optional[float]],
+    on_start: Callable[[Any, Optional[List[str]]], None],
+    signal_names: str,
+) -> List[JobReturn]:
+    """Run `jobs` (plans with `.idx` and `.nproc`); their JobReturns in job order.
 
-    `run(devices)` is called in a worker thread with the devices taken for the job (None
-    when jobs do not share devices out).
+    `request_for(job, devices)` is the encoded request for the job's process, made when it
+    starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
     """
+    pool = DevicePool(devices)
+    waiting = list(jobs)
+    running: Dict[int, RunningJob] = {}
+    returns: Dict[int, JobReturn] = {}
+    selector = selectors.DefaultSelector()
+    stop = _StopRequest(lambda sig: [_signal(job.pid, sig) for job in running.values()])
+    try:
+        with stop.handling(signal_names):
+            while waiting or running:
+                while waiting and len(running) < parallel_jobs and stop.signum is None:
+                    ok, taken = pool.take(waiting[0].nproc)
+                    if not ok:
+                        break
+                    job = waiting.pop(0)
+                    on_start(job, taken)
+                    running[job.idx] = _start(server, job, taken, request_for, hard_limit_s)
+                    selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
+                if not running:
+                    break
+                for key, _ in selector.select(timeout=_next_timeout(running)):
+                    finished = running[key.data]
+                    chunk = os.read(finished.result_r, 1 << 20)
+                    if chunk:
+                        finished.data.append(chunk)
+                        continue
+                    selector.unregister(finished.result_r)
+                    os.close(finished.result_r)
+                    del running[finished.idx]
+                    pool.give_back(finished.devices)
+                    returns[finished.idx] = _job_return(server, finished)
+                _kill_overdue(running)
+            if stop.signum is not None:
+                raise SweepStopped(stop.signum)
+    finally:
+        if running:  # the launcher itself failed: take the running jobs down with it
+            for job in running.values():
+                _signal(job.pid, signal.SIGKILL)
+            for job in running.values():
+                server.wait_exit(job.pid)
+                os.close(job.result_r)
+        selector.close()
+    return [returns[job.idx] for job in jobs]
 
-    def __init__(self, parallel_jobs: int, devices: Optional[List[str]], signal_names: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=parallel_jobs, thread_name_prefix="torchrun-job")
-        self._devices = DevicePool(devices) if devices is not None else None
-        self._running: Dict[int, int] = {}  # job idx -> thread ident
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._signal_names = signal_names
-        self._handlers = _signals.preserved_handlers(signal_names)
 
-    def __enter__(self) -> "ConcurrentJobs":
-        self._handlers.__enter__()
-        for sig in _signals.signals_named(self._signal_names):
-            signal.signal(sig, _raise_stopped)
-        return self
+def _start(
+    server: WarmServer,
+    job: Any,
+    devices: Optional[List[str]],
+    request_for: Callable[[Any, Optional[List[str]]], bytes],
+    hard_limit_s: Callable[[Any], Optional[float]],
+) -> RunningJob:
+    request = request_for(job, devices)
+    payload_r, payload_w = os.pipe()
+    result_r, result_w = os.pipe()
+    try:
+        pid = server.start_job(payload_r, result_w)
+    finally:
+        os.close(payload_r)
+        os.close(result_w)
+    with os.fdopen(payload_w, "wb") as f:
+        f.write(request)
+    limit = hard_limit_s(job)
+    return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 
-    def submit(self, idx: int, nproc: int, run: Callable[[Optional[List[str]]], Any]) -> "Future[Any]":
-        return self._executor.submit(self._run, idx, nproc, run)
 
-    def _run(self, idx: int, nproc: int, run: Callable[[Optional[List[str]]], Any]) -> Any:
-        devices = self._devices.take(nproc) if self._devices is not None else None
+def _job_return(server: WarmServer, job: RunningJob) -> JobReturn:
+    status = server.wait_exit(job.pid)
+    if job.data:
+        return cloudpickle.loads(b"".join(job.data))
+    if os.WIFSIGNALED(status):
+        how = f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    else:
+        how = f"exited with code {os.waitstatus_to_exitcode(status)}"
+    failed = JobReturn(status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(f"the job's process (pid {job.pid}) {how} before reporting a result")
+    return failed
+
+
+def _next_timeout(running: Dict[int, RunningJob]) -> Optional[float]:
+    limits = [job.kill_after for job in running.values() if job.kill_after is not None]
+    return max(0.0, min(limits) - time.monotonic()) if limits else None
+
+
+def _kill_overdue(running: Dict[int, RunningJob]) -> None:
+    """The backstop for a job process that outlived its deadline and its ranks' shutdown."""
+    now = time.monotonic()
+    for job in running.values():
+        if job.kill_after is not None and now >= job.kill_after:
+            log.warning(f"job #{job.idx}: its process did not end after its job_timeout; killing it")
+            _signal(job.pid, signal.SIGKILL)
+            job.kill_after = None
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class _StopRequest:
+    """The stop signals the launcher receives while jobs run, passed on to the jobs."""
+
+    def __init__(self, forward: Callable[[int], Any]) -> None:
+        self.signum: Optional[int] = None
+        self._forward = forward
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._forward(signum)
+        else:  # a second stop: no more waiting for the ranks' graceful shutdown
+            self._forward(signal.SIGKILL)
+
+    @contextmanager
+    def handling(self, signal_names: str) -> Iterator[None]:
+        """Our handler for the named signals the launcher does not ignore (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {sig: signal.getsignal(sig) for sig in signals_named(signal_names)}
         try:
-            with self._lock:
-                if self._stopping:
-                    raise JobInterrupted()
-                self._running[idx] = threading.get_ident()
-            try:
-                if devices is not None:
-                    log.info(f"job #{idx} runs on devices {','.join(devices)}")
-                return run(devices)
-            finally:
-                with self._lock:
-                    del self._running[idx]
+            for sig, handler in saved.items():
+                if handler != signal.SIG_IGN:
+                    signal.signal(sig, self._handle)
+            yield
         finally:
-            if devices is not None:
-                self._devices.give_back(devices)  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        """Stop every running job's ranks and start no new job."""
-        with self._lock:
-            self._stopping = True
-            running = dict(self._running)
-        for idx, ident in running.items():
-            raise_when_safe(ident, JobInterrupted, self._lock, functools.partial(self._runs, idx, ident))
-
-    def _runs(self, idx: int, ident: int) -> bool:
-        return self._running.get(idx) == ident
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        if exc is not None:
-            self.stop()
-        self._executor.shutdown(wait=True, cancel_futures=exc is not None)
-        self._handlers.__exit__(None, None, None)
-        if isinstance(exc, LauncherStopped):
-            # every rank is stopped: the launcher's own handlers decide what the signal does
-            _signals.redeliver(exc.signum)
+            for sig, handler in saved.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _raise_stopped(signum: int, frame: Optional[FrameType]) -> None:
-    raise LauncherStopped(signum)
+def react_to_stop(stopped: SweepStopped, summary: str) -> None:
+    """After a stop: what the signal would have done to the launcher without its jobs.
+
+    The launcher's handlers are back. The app's own handler is called; Python's default
+    Ctrl-C and a default SIGTERM end the launcher with one line instead of a traceback,
+    with the exit status a shell expects (128 + the signal's number).
+    """
+    sig = signal.Signals(stopped.signum)
+    handler = signal.getsignal(sig)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(sig, None)
+        return
+    print(f"[torchrun launcher] {sig.name}: {summary}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + sig)

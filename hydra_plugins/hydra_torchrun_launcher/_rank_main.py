@@ -1,7 +1,7 @@
 """A rank that runs as a real process: a training script, or a task under a launch prefix.
 
     python -m hydra_plugins.hydra_torchrun_launcher._rank_main exec SPEC.json
-        enter the job's dir and env, put the rank into `{rank}` / `{local_rank}` of the
+        put the rank into `{rank}` / `{local_rank}` of the
         command, then exec it (same pid, so the agent's signals reach the real program)
     python -m hydra_plugins.hydra_torchrun_launcher._rank_main task PAYLOAD RETURN_DIR
         run the task function from a payload file, as `_worker.run_rank` does in-process
@@ -34,8 +34,6 @@ def _exec(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     die_with_parent()
-    os.environ.update(spec["env"])
-    os.chdir(spec["cwd"])
     command = substitute_rank(spec["command"], dict(os.environ))
     os.execvp(command[0], command)
 
@@ -50,7 +48,8 @@ def _task(payload_path: str, return_dir: str) -> None:
         sys_path, payload = cloudpickle.load(f)
     pickled = record(run_rank)(sys_path, payload)
     if pickled is not None:
-        path = os.path.join(return_dir, f"return_{os.environ.get('RANK', '0')}.pkl")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        path = os.path.join(return_dir, f"return_{attempt}_{os.environ.get('RANK', '0')}.pkl")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(pickled)

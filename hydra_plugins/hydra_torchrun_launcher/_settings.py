@@ -4,9 +4,12 @@ Every check here runs before any process of the sweep starts, and every refusal 
 line naming the key at fault and what it accepts. Nothing here needs torch.
 """
 
+import functools
 import re
+import signal
 import typing
 from dataclasses import asdict, dataclass, fields
+from importlib.metadata import entry_points
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from hydra.errors import CompactHydraException
@@ -15,11 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 from .config import TorchrunLauncherConf
 
 START_METHODS = ("forkserver", "spawn", "fork")
+# torchrun also takes the name of a registered out-of-tree device backend (counted at launch)
 NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
+_DEVICE_WORD = re.compile(r"^[a-z][a-z0-9_]*$")
+# torch's own rendezvous backends; others come from the `torchrun.handlers` entry points
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
 CLUSTERS = ("auto", "none", "slurm")
 _STD_SPEC = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")
-_SIGNAL_NAME = re.compile(r"^SIG[A-Z0-9]+$")
 
 
 class LauncherConfigError(CompactHydraException, ValueError):
@@ -119,14 +125,15 @@ def parse_nnodes(value: Any) -> Tuple[int, int]:
 
 
 def _check_nproc(value: Any) -> None:
+    allowed = "use a positive int, one of " + ", ".join(NPROC_WORDS) + " or a device backend's name"
     if isinstance(value, bool):
-        raise _refuse("nproc_per_node", value, "use a positive int or one of " + ", ".join(NPROC_WORDS))
+        raise _refuse("nproc_per_node", value, allowed)
     if isinstance(value, int) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
         if int(value) > 0:
             return
-    elif isinstance(value, str) and value in NPROC_WORDS:
-        return
-    raise _refuse("nproc_per_node", value, "use a positive int or one of " + ", ".join(NPROC_WORDS))
+    elif isinstance(value, str) and _DEVICE_WORD.match(value):
+        return  # gpu / cpu / auto / xpu or a device backend's name: torch counts it at launch
+    raise _refuse("nproc_per_node", value, allowed)
 
 
 def parse_rdzv_conf(value: Any) -> Dict[str, Any]:
@@ -151,6 +158,14 @@ def parse_local_ranks_filter(value: str) -> Optional[Set[int]]:
     if not all(v.isdigit() for v in items):
         raise _refuse("local_ranks_filter", value, "use a comma-separated list of local ranks, e.g. 0,1")
     return {int(v) for v in items}
+
+
+@functools.cache
+def _entry_point_names(group: str, builtin: Tuple[str, ...] = ()) -> Tuple[str, ...]:
+    """Names of an entry-point group (how torchrun finds out-of-tree backends and log layouts)."""
+    found = entry_points()
+    selected = found.select(group=group) if hasattr(found, "select") else found.get(group, [])
+    return (*builtin, *sorted({ep.name for ep in selected} - set(builtin)))
 
 
 def _check_scalars(conf: TorchrunLauncherConf) -> None:
@@ -181,8 +196,22 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
         ),
         (
             "signals_to_handle",
-            all(_SIGNAL_NAME.match(s.strip()) for s in conf.signals_to_handle.split(",")),
-            "use signal names separated by commas, e.g. SIGTERM,SIGINT",
+            all(
+                isinstance(getattr(signal, s.strip(), None), signal.Signals)
+                for s in conf.signals_to_handle.split(",")
+            ),
+            "use signal names of this system separated by commas, e.g. SIGTERM,SIGINT",
+        ),
+        (
+            "rdzv_backend",
+            conf.rdzv_backend in _entry_point_names("torchrun.handlers", RDZV_BACKENDS),
+            "use one of " + ", ".join(_entry_point_names("torchrun.handlers", RDZV_BACKENDS)),
+        ),
+        (
+            "logs_specs",
+            conf.logs_specs is None or conf.logs_specs in _entry_point_names("torchrun.logs_specs"),
+            "use null or the name of a `torchrun.logs_specs` entry point: "
+            + (", ".join(_entry_point_names("torchrun.logs_specs")) or "none is installed"),
         ),
         (
             "module",

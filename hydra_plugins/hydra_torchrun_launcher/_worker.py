@@ -1,7 +1,10 @@
 """What runs in every rank: rebuild the job's Hydra world, run the task, hand back its value.
 
-The elastic agent starts `run_rank` in each worker process (forked from the warm
-forkserver, spawned, or forked from the launcher). Everything the rank needs travels as
+The elastic agent of the job's process starts `run_rank` in each worker process (forked
+from the job's warm forkserver, spawned, or forked from the job process). The rank
+inherits the job process's environment and working dir (env_set, chdir, devices), and
+torch has set RANK, LOCAL_RANK, ... before `run_rank` runs: the app's modules, imported
+when the task is unpickled, see them from their first line. Everything the rank needs travels as
 one `RankPayload`, passed in memory, whose task function and Hydra state were pickled with
 cloudpickle: tasks defined in `__main__`, closures, lambdas and partials all survive, and
 so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton state).
@@ -11,7 +14,7 @@ import copy
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -33,10 +36,8 @@ class RankPayload:
     pickled_state: bytes  # Hydra's Singleton state with this job's config, cloudpickled
     task_cfg: DictConfig
     job_logging: Optional[Dict[str, Any]]  # hydra.job_logging, resolved
-    working_dir: str
     job_num: int
     overrides: List[str]
-    env: Dict[str, str] = field(default_factory=dict)
     failure_grace_s: float = 0.0  # see _linger_before_failing
 
 
@@ -51,11 +52,11 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    _match_torch_threads()
     job: RankPayload = cloudpickle.loads(payload)
-    enter_job_env(job.env, job.working_dir)
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
-    Singleton.set_state(_with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
+    Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
     rank = int(os.environ.get("RANK", "0"))
     configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose)
     task = cloudpickle.loads(job.pickled_task)
@@ -77,13 +78,11 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         ) from e
 
 
-def enter_job_env(env: Dict[str, str], working_dir: str) -> None:
-    """The job's `env_set` (and devices), and its working dir, in this rank."""
-    os.environ.update(env)
-    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
-        # the forkserver imported torch before this rank's environment existed
-        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-    os.chdir(working_dir)
+def _match_torch_threads() -> None:
+    """torch was imported (by the warm server) before OMP_NUM_THREADS had its job's value."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def check_nodes_agree(job_num: int, overrides: List[str]) -> None:
@@ -135,39 +134,40 @@ def rank_log_config(job_logging: Optional[Dict[str, Any]], rank: int) -> Optiona
     return OmegaConf.create(config)
 
 
-def _with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
-    """Hydra's state, plus the forkserver's plugin scan when this rank would scan the same.
+def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Hydra's state, plus the warm server's plugin scan when this process would scan the same.
 
     `Singleton.set_state` rescans every plugin module unless the state holds a Plugins
     instance; Hydra leaves it out of the pickled state on purpose.
     """
-    preloaded = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._forkserver")
+    server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._warm_server")
     hydra_plugins = sys.modules.get("hydra_plugins")
-    if preloaded is None or hydra_plugins is None:
+    if server is None or server.PLUGINS is None or hydra_plugins is None:
         return state
-    if list(getattr(hydra_plugins, "__path__", [])) != preloaded.SCANNED_PATH:
+    if list(getattr(hydra_plugins, "__path__", [])) != server.SCANNED_PATH:
         return state
     from hydra.core.plugins import Plugins
 
-    return {**state, "instances": {**state["instances"], Plugins: preloaded.PLUGINS}}
+    return {**state, "instances": {**state["instances"], Plugins: server.PLUGINS}}
 
 
 def _release_forkserver() -> None:
-    """Drop what this rank inherited of the launcher's forkserver.
+    """Drop what this rank inherited of its job's forkserver (`_rank_forkserver`).
 
-    Every process the forkserver forks (and every rank forked from the launcher) inherits
-    the write end of the pipe by which the forkserver learns that the launcher is gone.
-    While a rank holds it, the forkserver outlives a killed launcher, and so does the rank,
-    whose parent-death signal waits for the forkserver. A rank that starts processes with
-    the forkserver method itself gets a forkserver of its own.
+    Every process a forkserver forks inherits the write end of the pipe by which the
+    forkserver learns that its job process is gone. While a rank holds it, the forkserver
+    outlives a killed job process, and so does the rank, whose parent-death signal waits
+    for the forkserver. A rank that starts processes with the forkserver method itself
+    gets a forkserver of its own.
     """
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
-    alive_fd = server._forkserver_alive_fd
-    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
-    if alive_fd is not None:
-        os.close(alive_fd)
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is None:
+        return
+    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None  # type: ignore
+    os.close(alive_fd)
 
 
 def _linger_before_failing(grace_s: float) -> None:

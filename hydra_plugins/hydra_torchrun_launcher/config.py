@@ -60,7 +60,8 @@ class TorchrunLauncherConf:
     shutdown_timeout: int = 5
     virtual_local_rank: bool = False
     log_line_prefix_template: Optional[str] = None
-    event_log_handler: str = "null"
+    # torch's event handler name ("console", ...); null: torch's "null" handler
+    event_log_handler: Optional[str] = None
     duplicate_stdout_filters: Optional[List[str]] = None
     duplicate_stderr_filters: Optional[List[str]] = None
 

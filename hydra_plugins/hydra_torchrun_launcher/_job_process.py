@@ -1,0 +1,124 @@
+"""One sweep job's own process: Hydra's bookkeeping and torch's elastic agent, as torchrun's.
+
+Forked from the warm server (`_warm_server`), so it starts with torch imported, but with
+nothing of any other job: it takes the launcher's environment, working directory and
+signal dispositions as they were when the job started, then lets Hydra's `run_job` do the
+job's bookkeeping here (job dir, `.hydra/`, `env_set`, logging, `on_job_start`/
+`on_job_end`), and runs the job's elastic agent in its main thread, where torch's own
+signal handling and shutdown path are in force. Its ranks inherit this process's state,
+so they see, from their first line, what torchrun's ranks would see.
+
+The `JobReturn` goes back to the launcher through a pipe; the process then exits, and
+whatever it started goes with it.
+"""
+
+import os
+import pickle
+import signal
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import cloudpickle
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setup_globals
+from hydra.types import HydraContext
+from omegaconf import DictConfig
+
+from ._job import JobPlan, run_agent_job
+from ._lifetime import die_with_parent
+
+_FRAME = struct.Struct("=q")
+
+
+@dataclass
+class JobRequest:
+    """Everything a job process needs, captured by the launcher when the job starts."""
+
+    plan: JobPlan
+    config: DictConfig
+    hydra_context: HydraContext
+    pickled_state: bytes  # Hydra's Singleton state (ConfigStore, resolvers, ...)
+    environ: Dict[str, str]  # the launcher's os.environ now
+    cwd: str  # the launcher's working dir now
+    ignored_signals: List[int]  # signals the launcher ignores: they stay ignored
+    devices: Optional[List[str]]
+    task_error: Optional[str]  # why the task function cannot travel to the ranks
+
+
+def encode_request(request: JobRequest) -> bytes:
+    """sys.path first, in plain pickle: unpickling the rest may import the app's modules."""
+    head = pickle.dumps(list(sys.path))
+    body = cloudpickle.dumps(request)
+    return _FRAME.pack(len(head)) + head + body
+
+
+def job_process_main(payload_r: int, result_w: int) -> None:
+    die_with_parent()
+    with os.fdopen(payload_r, "rb") as f:
+        data = f.read()
+    (head_size,) = _FRAME.unpack(data[: _FRAME.size])
+    sys_path = pickle.loads(data[_FRAME.size : _FRAME.size + head_size])
+    sys.path[:] = sys_path
+    request: JobRequest = cloudpickle.loads(data[_FRAME.size + head_size :])
+    _take_launcher_state(request)
+    try:
+        job_return = _run(request)
+    finally:
+        _flush_loggers()
+    with os.fdopen(result_w, "wb") as out:
+        out.write(_pickled_return(job_return))
+
+
+def _take_launcher_state(request: JobRequest) -> None:
+    os.environ.clear()
+    os.environ.update(request.environ)
+    os.chdir(request.cwd)
+    from ._warm_server import _group_signals
+
+    for sig in _group_signals():
+        if sig in request.ignored_signals:
+            signal.signal(sig, signal.SIG_IGN)
+        elif sig == signal.SIGINT:
+            signal.signal(sig, signal.default_int_handler)
+        else:
+            signal.signal(sig, signal.SIG_DFL)
+    setup_globals()
+    state = cloudpickle.loads(request.pickled_state)
+    from ._worker import with_scanned_plugins
+
+    Singleton.set_state(with_scanned_plugins(state))
+
+
+def _run(request: JobRequest) -> JobReturn:
+    def distributed_task(task_cfg: DictConfig) -> Any:
+        # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start
+        return run_agent_job(request.plan, request.devices, request.task_error)
+
+    return run_job(
+        hydra_context=request.hydra_context,
+        task_function=distributed_task,
+        config=request.config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )
+
+
+def _pickled_return(job_return: JobReturn) -> bytes:
+    try:
+        return cloudpickle.dumps(job_return)
+    except Exception as e:  # the value or error cannot travel back: say so, as a failed job
+        failed = JobReturn(
+            overrides=job_return.overrides,
+            cfg=job_return.cfg,
+            hydra_cfg=job_return.hydra_cfg,
+            working_dir=job_return.working_dir,
+            task_name=job_return.task_name,
+            status=JobStatus.FAILED,
+        )
+        failed.return_value = TypeError(
+            f"the job's result ({type(job_return._return_value).__name__}) cannot be pickled "
+            f"to send it back to the launcher: {e}"
+        )
+        return cloudpickle.dumps(failed)

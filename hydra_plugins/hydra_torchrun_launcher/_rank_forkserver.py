@@ -1,0 +1,75 @@
+"""A forkserver for one job's ranks, forked from its (warm) job process.
+
+With `start_method: forkserver`, torch asks Python's multiprocessing for ranks; left to
+itself, multiprocessing would start its forkserver as a fresh interpreter and re-import
+torch in every job. Here the job process forks the server itself, once its environment
+is final (env_set, callbacks, devices applied) and while it is still single-threaded, and
+runs multiprocessing's own server loop (`multiprocessing.forkserver.main`) in it. The
+ranks are then forked from a clean, warm process that holds exactly the job's
+environment; the app's main module is never re-imported (the job process has none).
+
+This touches three private attributes of `multiprocessing.forkserver._forkserver`
+(address, alive fd, pid; present in CPython 3.9 to 3.13, checked below). Where they or
+`main`'s signature differ, ranks use multiprocessing's own forkserver: correct, but cold.
+"""
+
+import inspect
+import logging
+import os
+import socket
+from multiprocessing import connection, forkserver
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+_CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+
+
+def _supported() -> bool:
+    client = getattr(forkserver, "_forkserver", None)
+    if client is None or not all(hasattr(client, name) for name in _CLIENT_ATTRS):
+        return False
+    params = list(inspect.signature(forkserver.main).parameters)
+    # CPython 3.14 adds an authentication key the client must hold
+    return params[:3] == ["listener_fd", "alive_r", "preload"] and "authkey_r" not in params
+
+
+def start_rank_forkserver() -> Callable[[], None]:
+    """Fork the job's forkserver and point multiprocessing at it; returns how to stop it."""
+    if not _supported():
+        log.warning(
+            "this Python's multiprocessing.forkserver differs from what the torchrun launcher knows: "
+            "ranks start from a fresh forkserver (slower)"
+        )
+        return lambda: None
+    client = forkserver._forkserver  # type: ignore[attr-defined]
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(alive_w)
+            forkserver.main(listener.fileno(), alive_r, [])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    client._forkserver_address = address
+    client._forkserver_alive_fd = alive_w
+    client._forkserver_pid = pid
+
+    def stop() -> None:
+        # closing the alive pipe ends the server's loop
+        client._forkserver_address = client._forkserver_alive_fd = client._forkserver_pid = None
+        os.close(alive_w)
+        os.waitpid(pid, 0)
+        if os.path.exists(address):
+            os.unlink(address)
+
+    return stop

@@ -1,0 +1,268 @@
+"""The warm server: one process per launcher that has torch imported and forks every job.
+
+Each sweep job runs in a process of its own (its "job process": Hydra's `run_job` and
+torch's elastic agent, see `_job_process`), so jobs running at once share no
+process-global state. Starting that process with a fresh `import torch` would cost
+seconds per job; forking it from the launcher would copy the launcher's threads and
+half-finished state. So the launcher starts this server once (a fresh interpreter,
+single-threaded, which imports torch and Hydra's plugins and never initialises CUDA) and
+asks it to fork a job process per job.
+
+Protocol, over a Unix socket pair: the launcher sends one message per job whose
+ancillary data are two pipe ends, the job's payload (read end) and its result (write
+end); the server forks, answers with the child's pid, and later with the child's exit
+status. Nothing is ever put into a shell string; the payload never touches the disk.
+
+The server ignores the signals a terminal or a scheduler sends to a whole process group:
+the launcher decides what they mean, and each job process is given the launcher's own
+dispositions back. It dies with the launcher (parent-death signal, or the socket closing).
+"""
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ._lifetime import die_with_parent
+
+# signals a terminal, `kill -- -PGID` or srun/scancel deliver to every process of a group
+GROUP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+# what every job process imports anyway: done once here, inherited by every fork
+BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api")
+
+# set in the server (and so in every process it forks): Hydra's plugin scan, and where it looked
+PLUGINS: Optional[object] = None
+SCANNED_PATH: List[str] = []
+
+_PID_MESSAGE = struct.Struct("=cqq")  # kind (b"P" started / b"X" exited), pid, wait status
+_REQUEST = b"J"
+
+_BOOTSTRAP = (
+    "import sys; from hydra_plugins.hydra_torchrun_launcher._warm_server import serve; "
+    "serve(int(sys.argv[1]))"
+)
+
+
+def _group_signals() -> List[signal.Signals]:
+    return [getattr(signal, name) for name in GROUP_SIGNALS if hasattr(signal, name)]
+
+
+# ------------------------------------------------------------------ server side
+
+
+def serve(fd: int) -> None:
+    """Main loop of the server process (started by `WarmServer.start`)."""
+    die_with_parent()
+    for sig in _group_signals():
+        signal.signal(sig, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    import pickle
+
+    sys_path, preload = pickle.loads(_recv_frame(sock))
+    sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
+    _preload(preload)
+    children: Dict[int, int] = {}
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+                _reap(sock, children)
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, 16, 5)
+            except OSError:
+                message, fds = b"", []
+            if not message:  # the launcher is gone
+                os._exit(0)
+            payload_r, result_w, *stdio = fds
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                sock.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                # the launcher's stdin, stdout and stderr as they are now, not at server start
+                for target, fd in enumerate(stdio):
+                    os.dup2(fd, target)
+                    os.close(fd)
+                _run_job_process(payload_r, result_w)
+            for fd in (payload_r, result_w, *stdio):
+                os.close(fd)
+            children[pid] = pid
+            sock.sendall(_PID_MESSAGE.pack(b"P", pid, 0))
+        _reap(sock, children)
+
+
+def _run_job_process(payload_r: int, result_w: int) -> None:
+    """The forked child: run the job, then leave without running the server's cleanup."""
+    code = 0
+    try:
+        from ._job_process import job_process_main
+
+        job_process_main(payload_r, result_w)
+    except BaseException:
+        # the launcher reports the exit status; the cause goes to the launcher's stderr
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(sock: socket.socket, children: Dict[int, int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if children.pop(pid, None) is not None:
+            sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
+
+
+def _preload(modules: Sequence[str]) -> None:
+    import importlib
+
+    for name in [*BASE_PRELOAD, *modules, "hydra_plugins.hydra_torchrun_launcher._job_process"]:
+        importlib.import_module(name)
+    # Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs
+    from hydra.core.plugins import Plugins
+
+    global PLUGINS, SCANNED_PATH
+    PLUGINS = Plugins.instance()
+    SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    header = _recv_exact(sock, 8)
+    return _recv_exact(sock, struct.unpack("=q", header)[0])
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = sock.recv(size)
+        if not chunk:
+            raise EOFError("the launcher closed the warm server's socket")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+# ------------------------------------------------------------------ launcher side
+
+
+class WarmServer:
+    """The launcher's handle on its server: start job processes, learn when they exit."""
+
+    def __init__(self, sys_path: List[str], preload: Tuple[str, ...]) -> None:
+        self.key = (tuple(sys_path), preload)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = ours
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                # a group of its own: a terminal's Ctrl-C reaches the jobs once, through the launcher
+                preexec_fn=os.setpgrp,
+            )
+        finally:
+            theirs.close()
+        import pickle
+
+        frame = pickle.dumps((list(sys_path), list(preload)))
+        self._sock.sendall(struct.pack("=q", len(frame)) + frame)
+        self._buffer = b""
+        self.exited: Dict[int, int] = {}  # pid -> wait status, for job processes that ended
+        self._started: List[int] = []
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def start_job(self, payload_r: int, result_w: int) -> int:
+        """Fork a job process that reads its payload from `payload_r`; its pid."""
+        socket.send_fds(self._sock, [_REQUEST], [payload_r, result_w, 0, 1, 2])
+        while not self._started:
+            self._receive(block=True)
+        return self._started.pop(0)
+
+    def poll(self) -> None:
+        """Read what the server has said (exit statuses) without blocking."""
+        self._receive(block=False)
+
+    def wait_exit(self, pid: int) -> int:
+        """The wait status of a job process, waiting for the server to report it."""
+        while pid not in self.exited:
+            self._receive(block=True)
+        return self.exited.pop(pid)
+
+    def _receive(self, block: bool) -> None:
+        self._sock.setblocking(block)
+        try:
+            data = self._sock.recv(4096)
+        except BlockingIOError:
+            return
+        finally:
+            self._sock.setblocking(True)
+        if not data:
+            raise RuntimeError(
+                f"the torchrun launcher's warm server (pid {self._process.pid}) exited unexpectedly "
+                f"with status {self._process.wait()}"
+            )
+        self._buffer += data
+        size = _PID_MESSAGE.size
+        while len(self._buffer) >= size:
+            kind, pid, status = _PID_MESSAGE.unpack(self._buffer[:size])
+            self._buffer = self._buffer[size:]
+            if kind == b"P":
+                self._started.append(pid)
+            else:
+                self.exited[pid] = status
+
+    def close(self) -> None:
+        self._sock.close()
+        self._process.wait()
+
+
+_server: Optional[WarmServer] = None
+_server_lock = threading.Lock()
+
+
+def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
+    """The launcher's server for the current import path, started on first use.
+
+    It lives as long as the launcher process (an Optuna sweep calls `launch` once per
+    batch; each call reuses it) and is replaced when the app's import path changed.
+    """
+    global _server
+    with _server_lock:
+        key = (tuple(sys.path), preload)
+        if _server is not None and (_server.key != key or not _server.alive()):
+            _server.close()
+            _server = None
+        if _server is None:
+            _server = WarmServer(list(sys.path), preload)
+        return _server
