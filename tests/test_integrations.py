@@ -19,7 +19,7 @@ import yaml
 from tests.conftest import assert_gone, run_app
 
 APPS = Path(__file__).resolve().parent / "integration_apps"
-MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "_warm_server")
 
 
 def requires(module: str, requirement: str) -> None:
@@ -139,8 +139,9 @@ def test_lightning_ddp_uses_the_launchers_ranks(tmp_path: Path) -> None:
     assert records[0]["weights"] == records[1]["weights"]
     assert records[0]["train_loss_metric"] == records[1]["train_loss_metric"]
 
-    # no process beyond the launcher's: exactly 2 ranks (siblings, started by the launcher's
-    # forkserver), no child of any rank, and no second copy of the app anywhere
+    # no process beyond the launcher's: exactly 2 ranks (siblings, forked by their job's
+    # forkserver, which its job process forked, which the warm server forked), no child of
+    # any rank, and no second copy of the app anywhere
     rank_pids = {rec["tree_while_training"]["pid"] for rec in records}
     assert len(rank_pids) == 2
     for rec in records:
@@ -150,9 +151,13 @@ def test_lightning_ddp_uses_the_launchers_ranks(tmp_path: Path) -> None:
         assert rank_pids <= set(under_launcher)
         others = [p for pid, p in under_launcher.items() if pid not in rank_pids]
         assert all(any(h in " ".join(p["cmdline"]) for h in MP_HELPERS) for p in others), others
-        forkserver = under_launcher[tree["ppid"]]
-        assert "multiprocessing.forkserver" in " ".join(forkserver["cmdline"])
-        assert forkserver["ppid"] == tree["launcher"]["pid"]
+        job_forkserver = under_launcher[tree["ppid"]]
+        job_process = under_launcher[job_forkserver["ppid"]]
+        warm_server = under_launcher[job_process["ppid"]]
+        assert all(
+            "_warm_server" in " ".join(p["cmdline"]) for p in (job_forkserver, job_process, warm_server)
+        )
+        assert warm_server["ppid"] == tree["launcher"]["pid"]
     assert len({rec["tree_while_training"]["ppid"] for rec in records}) == 1
     assert len({rec["tree_while_training"]["launcher"]["pid"] for rec in records}) == 1
     assert_gone(rank_pids)

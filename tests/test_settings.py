@@ -5,19 +5,27 @@ from dataclasses import asdict, fields
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.run import get_args_parser
 
 from hydra_plugins.hydra_torchrun_launcher import _launch_config
 from hydra_plugins.hydra_torchrun_launcher._settings import LauncherConfigError, resolve_settings
 from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
-TORCHRUN_KEYS = {
-    "nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "standalone",
-    "max_restarts", "monitor_interval", "start_method", "role", "module", "no_python", "run_path", "log_dir",
-    "redirects", "tee", "local_ranks_filter", "node_rank", "master_addr", "master_port", "local_addr",
-    "training_script", "training_script_args", "logs_specs", "numa_binding", "signals_to_handle",
-    "shutdown_timeout", "virtual_local_rank", "log_line_prefix_template", "event_log_handler",
-    "duplicate_stdout_filters", "duplicate_stderr_filters",
-}  # fmt: skip
+# torchrun's own flags, from its own parser (dashes and underscores spelled alike)
+_PARSER = get_args_parser()
+TORCHRUN_DEFAULTS = {
+    action.dest: action.default for action in _PARSER._actions if action.dest not in ("help",)
+}
+# where this plugin differs from torchrun on purpose (see README: "Defaults that differ")
+ON_PURPOSE = {
+    "master_port",
+    "rdzv_id",
+    "monitor_interval",
+    "log_dir",
+    "start_method",
+    "shutdown_timeout",
+    "tee",
+}
 PLUGIN_KEYS = {"parallel_jobs", "devices", "job_timeout", "launch_prefix", "cluster"}
 
 
@@ -25,8 +33,26 @@ def settings(**overrides):
     return resolve_settings(OmegaConf.create({**asdict(TorchrunLauncherConf()), **overrides}))
 
 
-def test_every_torchrun_key_and_the_plugins_own() -> None:
-    assert {f.name for f in fields(TorchrunLauncherConf)} == TORCHRUN_KEYS | PLUGIN_KEYS | {"_target_"}
+def test_every_torchrun_flag_is_a_key_and_the_plugin_adds_only_its_own() -> None:
+    keys = {f.name for f in fields(TorchrunLauncherConf)} - {"_target_"}
+    assert set(TORCHRUN_DEFAULTS) - keys == set(), "torchrun flags with no launcher key"
+    # a flag of a newer torchrun than the installed one (2.14; an environment variable before)
+    newer = {"log_line_prefix_template"}
+    assert keys - set(TORCHRUN_DEFAULTS) - newer == PLUGIN_KEYS
+
+
+def test_defaults_match_torchruns_except_where_documented() -> None:
+    conf = asdict(TorchrunLauncherConf())
+    # the same value spelt another way: one node is "1" or "1:1"; no event handler is null or "null"
+    conf.update(
+        nnodes=f"{conf['nnodes']}:{conf['nnodes']}", event_log_handler=conf["event_log_handler"] or "null"
+    )
+    differ = {
+        key
+        for key, default in TORCHRUN_DEFAULTS.items()
+        if str(conf[key]) != str(default) and not (conf[key] in (None, "", []) and default in (None, "", []))
+    }
+    assert differ <= ON_PURPOSE, differ - ON_PURPOSE
 
 
 def test_defaults_that_differ_from_torchrun_on_purpose() -> None:

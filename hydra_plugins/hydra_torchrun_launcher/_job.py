@@ -107,7 +107,10 @@ def _hold_shutdown_timeout(seconds: float) -> None:
     which then waits a hard-coded 30 s between SIGTERM and SIGKILL: a survivor that handles
     SIGTERM (Lightning, any checkpoint-on-SIGTERM code) keeps the job alive that long.
     `join` takes the grace period as a documented argument; in this process, which runs
-    one job's agent and nothing else, it defaults to the job's `shutdown_timeout`.
+    one job's agent and nothing else, it defaults to the job's `shutdown_timeout`, and the
+    survivors get SIGTERM as soon as a failure is seen (torch's join would first wait a
+    grace period for them to exit on their own). A survivor that ignores SIGTERM is killed
+    at most 2 x shutdown_timeout after the failure.
     """
     from torch.multiprocessing.spawn import ProcessContext
 
@@ -125,7 +128,14 @@ def _hold_shutdown_timeout(seconds: float) -> None:
     def join_within_shutdown_timeout(
         self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None
     ) -> Any:
-        return original(self, timeout, seconds if grace_period is None else grace_period)
+        if grace_period is None:
+            if any(process.exitcode not in (None, 0) for process in self.processes):
+                # a rank failed: the survivors get the graceful signal now, not after a grace period
+                for process in self.processes:
+                    if process.is_alive():
+                        process.terminate()
+            grace_period = seconds
+        return original(self, timeout, grace_period)
 
     join_within_shutdown_timeout.original = original  # type: ignore[attr-defined]
     join_within_shutdown_timeout.grace_default = seconds  # type: ignore[attr-defined]

@@ -65,6 +65,10 @@ def serve(fd: int) -> None:
     sys_path, preload = pickle.loads(_recv_frame(sock))
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
     _preload(preload)
+    # multiprocessing's resource tracker, started once here: every job process inherits it
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     children: Dict[int, int] = {}
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
