@@ -19,7 +19,7 @@ setup(
         "omegaconf>=2.3",
         "cloudpickle>=2.0",
         "python-hostlist>=2.0",
-        "torch>=2.3",
+        "torch>=2.13",
     ],
     extras_require={
         "test": [

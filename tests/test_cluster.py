@@ -288,3 +288,10 @@ def test_resolve_cluster_single_node_leaves_settings_alone(env):
     resolved, line = resolve_cluster(job, env)
     assert resolved is job
     assert (line is None) == (not env)
+
+
+def test_keys_the_user_gave_stay_the_users_even_at_their_default():
+    # `hydra.launcher.nnodes=1 hydra.launcher.node_rank=0` inside a 2-node step: one node, as asked
+    job, line = resolve_cluster(settings(TorchrunLauncherConf()), step_task(1), {"nnodes", "node_rank"})
+    assert (job.min_nodes, job.max_nodes, job.conf.node_rank) == (1, 1, 0)
+    assert "nnodes=1 (yours)" in line and "node_rank=0 (yours)" in line

@@ -44,13 +44,23 @@ def _sweep(app_dir: Path, *overrides: str, check: bool = True) -> subprocess.Com
     return run_app(app_dir / "app.py", ["-m", "hydra.sweep.dir=sweep", *overrides], cwd=app_dir, check=check)
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
-def test_concurrent_jobs_each_see_only_their_own_world(tmp_path: Path, start_method: str) -> None:
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["hydra.launcher.start_method=forkserver"],
+        ["hydra.launcher.start_method=spawn"],
+        ["hydra.launcher.start_method=fork"],
+        # every rank a real process under a wrapper, as numactl or nsys would run it
+        ["hydra.launcher.launch_prefix=[env,'MARK=1']"],
+    ],
+    ids=["forkserver", "spawn", "fork", "launch_prefix"],
+)
+def test_concurrent_jobs_each_see_only_their_own_world(tmp_path: Path, how: List[str]) -> None:
     app_dir = _install(tmp_path)
     result = _sweep(
         app_dir,
         "hydra.launcher.parallel_jobs=2",
-        f"hydra.launcher.start_method={start_method}",
+        *how,
         "meet=true",
         "all_reduce=true",
         "x=1,10",
@@ -151,9 +161,16 @@ def test_virtual_local_rank_gives_each_rank_its_own_device(tmp_path: Path) -> No
         "hydra.launcher.parallel_jobs=2",
         "hydra.launcher.devices=[0,1,2,3]",
         "hydra.launcher.virtual_local_rank=true",
+        # relative: from where the sweep was launched, whatever the jobs' dirs
+        "hydra.launcher.log_dir=rank_logs",
         "meet=true",
         "x=0,1",
     )
+    # each job's ranks log under rank_logs/ in a dir of the job's own (its rendezvous id)
+    runs = sorted(p.name.rsplit("_", 1)[0] for p in (app_dir / "rank_logs").iterdir())
+    assert len(runs) == 2 and runs[0] != runs[1]
+    assert len(list((app_dir / "rank_logs").glob("*/attempt_0/*/stdout.log"))) == 4
+    assert not list((app_dir / "sweep").glob("*/torchrun_logs"))
     seen = []
     for job in (0, 1):
         for record in _records(app_dir / "sweep", job).values():

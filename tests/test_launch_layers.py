@@ -73,9 +73,10 @@ def test_script_mode_runs_the_script_per_rank_in_each_job_dir(app: Path, tmp_pat
         app,
         [
             *MULTIRUN_2_RANKS,
-            f"hydra.launcher.training_script={tmp_path / 'train.py'}",
+            # as the README shows it: a path relative to where the sweep is launched
+            "hydra.launcher.training_script=train.py",
             "hydra.launcher.training_script_args=[--lr,'${lr}']",
-            f"hydra.sweep.dir={sweep_dir}",
+            "hydra.sweep.dir=sweep",
             "lr=0.1,0.01",
         ],
         cwd=tmp_path,
@@ -101,7 +102,7 @@ def test_script_that_exits_non_zero_fails_its_job_with_its_stderr(app: Path, tmp
         app,
         [
             *MULTIRUN_2_RANKS,
-            f"hydra.launcher.training_script={tmp_path / 'train.py'}",
+            "hydra.launcher.training_script=train.py",
             "hydra.launcher.training_script_args=[--lr,'${lr}',--fail]",
             f"hydra.sweep.dir={tmp_path / 'sweep'}",
             "lr=0.5",
@@ -251,28 +252,26 @@ def test_console_shows_whole_prefixed_lines_and_files_keep_everything(
     [
         (["hydra.launcher.module=true"], "train"),
         (["hydra.launcher.run_path=true"], "train.py"),
-        (["hydra.launcher.no_python=true"], "train.sh"),
+        (["hydra.launcher.no_python=true"], "./train.sh"),
     ],
     ids=["module", "run_path", "no_python"],
 )
 def test_script_mode_flags_run_the_script_as_torchrun_would(
     app: Path, tmp_path: Path, flags: list, script: str
 ) -> None:
-    # ranks run in the job's dir: `python -m train` finds the module through env_set's PYTHONPATH
-    (tmp_path / "train.sh").write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "train.py"} "$@"\n')
+    # ranks run in the job's dir; the script (or module) is found where the sweep was launched,
+    # as the user wrote it, with no PYTHONPATH or absolute path of the user's
+    (tmp_path / "train.sh").write_text(f'#!/bin/sh\nexec {sys.executable} "$(dirname "$0")/train.py" "$@"\n')
     (tmp_path / "train.sh").chmod(0o755)
     sweep_dir = tmp_path / "sweep"
-    script_path = script if script == "train" else str(tmp_path / script)
-    env_path = f"+hydra.job.env_set.PYTHONPATH={tmp_path}"
     run_app(
         app,
         [
             *MULTIRUN_2_RANKS,
-            f"hydra.launcher.training_script={script_path}",
+            f"hydra.launcher.training_script={script}",
             "hydra.launcher.training_script_args=[--lr,'${lr}']",
             *flags,
-            env_path,
-            f"hydra.sweep.dir={sweep_dir}",
+            "hydra.sweep.dir=sweep",
             "lr=0.3",
         ],
         cwd=tmp_path,

@@ -106,6 +106,14 @@ def test_a_key_the_installed_torch_lacks_is_refused_only_when_set(monkeypatch: p
             True,
             "hydra.launcher.module=True is invalid: only applies with hydra.launcher.training_script",
         ),
+        # refused here, before any rank starts, not job by job by torch
+        ("rdzv_backend", "etcd3", "hydra.launcher.rdzv_backend='etcd3' is invalid: use one of static, c10d"),
+        ("logs_specs", "nope", "hydra.launcher.logs_specs='nope' is invalid: use null or the name of a"),
+        (
+            "signals_to_handle",
+            "SIGTERM,SIGTERN",
+            "hydra.launcher.signals_to_handle='SIGTERM,SIGTERN' is invalid: use signal names",
+        ),
     ],
 )
 def test_wrong_values_name_their_key(key: str, value: object, expected: str) -> None:
@@ -125,3 +133,12 @@ def test_values_of_the_right_kind_are_taken_as_torchrun_would() -> None:
         "join_timeout": "10",
         "read_timeout": "5",
     }
+
+
+def test_documented_values_are_taken() -> None:
+    # null is the documented default of event_log_handler; torch gets its "null" handler
+    assert settings(event_log_handler=None).conf.event_log_handler is None
+    # torchrun takes a registered device backend's name for nproc_per_node; torch counts it at launch
+    assert settings(nproc_per_node="privateuseone").conf.nproc_per_node == "privateuseone"
+    with pytest.raises(LauncherConfigError, match="nproc_per_node='privateuseone' is invalid here"):
+        _launch_config.local_world_size(settings(nproc_per_node="privateuseone"))

@@ -122,8 +122,9 @@ def local_world_size(settings: JobSettings) -> int:
 
     try:
         return int(determine_local_world_size(str(value)))
-    except ValueError as e:
-        raise LauncherConfigError(f"hydra.launcher.nproc_per_node={value!r} is invalid here: {e}") from e
+    except (ValueError, RuntimeError) as e:  # no such device here, or a backend not registered
+        reason = str(e).splitlines()[0]
+        raise LauncherConfigError(f"hydra.launcher.nproc_per_node={value!r} is invalid here: {reason}") from e
 
 
 def build_launch_config(
