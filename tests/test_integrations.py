@@ -131,6 +131,8 @@ def test_lightning_ddp_uses_the_launchers_ranks(tmp_path: Path) -> None:
         assert rec["cluster_environment"] == "TorchElasticEnvironment"
         assert rec["creates_processes_externally"] is True
         assert rec["strategy_launcher_procs"] == 0, "Lightning started scripts of its own"
+        # Lightning (preloaded by the warm server) knows the rank before any Trainer exists
+        assert rec["rank_zero_only_before_trainer"] == rank
         # it trained
         assert rec["last_epoch_loss"] < rec["first_epoch_loss"] / 2, rec["losses"]
         assert rec["train_loss_metric"] > 0

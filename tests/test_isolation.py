@@ -349,3 +349,30 @@ def test_a_survivor_that_handles_sigterm_is_stopped_within_shutdown_timeout(tmp_
     assert end["status"] == "FAILED" and end["error"].startswith("JobFailedError: rank 1")
     # two grace periods of 2 s at most (peers first, then SIGTERM to SIGKILL), plus start-up
     assert took < 25, took
+
+
+@pytest.mark.parametrize(
+    "preload, preloaded, warning",
+    [
+        ([], True, None),  # auto: the installed packages the app imported
+        (["hydra.launcher.preload=[]"], False, None),
+        (
+            ["hydra.launcher.preload=[psutil,no_such_module_xyz]"],
+            True,
+            "hydra.launcher.preload: no_such_module_xyz was not preloaded (ModuleNotFoundError: "
+            "No module named 'no_such_module_xyz'); ranks import it themselves",
+        ),
+    ],
+    ids=["auto", "torch_only", "a_module_that_fails"],
+)
+def test_preload_imports_what_the_app_uses_once_in_the_warm_server(
+    tmp_path: Path, preload: List[str], preloaded: bool, warning: Any
+) -> None:
+    app_dir = _install(tmp_path)
+    result = _sweep(app_dir, *preload, "x=0")
+    records = _records(app_dir / "sweep", 0)
+    assert [records[rank]["psutil_preloaded"] for rank in (0, 1)] == [preloaded, preloaded]
+    # preloading changes nothing of what the ranks see from their first line
+    assert [records[rank]["at_import"]["RANK"] for rank in (0, 1)] == ["0", "1"]
+    if warning:
+        assert (result.stdout + result.stderr).count(warning) == 1, result.stdout

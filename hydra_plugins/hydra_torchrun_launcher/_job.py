@@ -9,7 +9,6 @@ Real-process ranks get their settings through files in a private directory (0700
 0600), removed when the job ends; nothing is ever put into a shell string.
 """
 
-import inspect
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from ._failures import JobFailedError, describe
 from ._launch_config import Rendezvous, build_launch_config
 from ._rank_forkserver import start_rank_forkserver
 from ._settings import JobSettings
+from ._torch_adjustments import adjust_torch_for_this_job
 from ._worker import RankPayload, run_rank
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             # `python -m` finds the module where the sweep was launched, as torchrun's would
             path = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
-    _hold_shutdown_timeout(conf.shutdown_timeout)
+    adjust_torch_for_this_job(conf.shutdown_timeout)
     stop_forkserver = start_rank_forkserver() if conf.start_method == "forkserver" else (lambda: None)
     try:
         job = build_agent_job(plan)
@@ -98,48 +98,6 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
                 shutil.rmtree(job.private_dir, ignore_errors=True)
     finally:
         stop_forkserver()
-
-
-def _hold_shutdown_timeout(seconds: float) -> None:
-    """Make a rank failure stop the survivors within `shutdown_timeout`, not torch's 30 s.
-
-    On a rank's failure torch's agent calls `ProcessContext.join` without a grace period,
-    which then waits a hard-coded 30 s between SIGTERM and SIGKILL: a survivor that handles
-    SIGTERM (Lightning, any checkpoint-on-SIGTERM code) keeps the job alive that long.
-    `join` takes the grace period as a documented argument; in this process, which runs
-    one job's agent and nothing else, it defaults to the job's `shutdown_timeout`, and the
-    survivors get SIGTERM as soon as a failure is seen (torch's join would first wait a
-    grace period for them to exit on their own). A survivor that ignores SIGTERM is killed
-    at most 2 x shutdown_timeout after the failure.
-    """
-    from torch.multiprocessing.spawn import ProcessContext
-
-    join = ProcessContext.join
-    if getattr(join, "grace_default", None) == seconds:
-        return
-    original = getattr(join, "original", join)
-    if "grace_period" not in inspect.signature(original).parameters:
-        log.warning(
-            "this torch's ProcessContext.join takes no grace_period: after a rank fails, "
-            "its peers get 30 s (not hydra.launcher.shutdown_timeout) before SIGKILL"
-        )
-        return
-
-    def join_within_shutdown_timeout(
-        self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None
-    ) -> Any:
-        if grace_period is None:
-            if any(process.exitcode not in (None, 0) for process in self.processes):
-                # a rank failed: the survivors get the graceful signal now, not after a grace period
-                for process in self.processes:
-                    if process.is_alive():
-                        process.terminate()
-            grace_period = seconds
-        return original(self, timeout, grace_period)
-
-    join_within_shutdown_timeout.original = original  # type: ignore[attr-defined]
-    join_within_shutdown_timeout.grace_default = seconds  # type: ignore[attr-defined]
-    ProcessContext.join = join_within_shutdown_timeout  # type: ignore[method-assign]
 
 
 def build_agent_job(plan: JobPlan) -> AgentJob:

@@ -21,6 +21,7 @@ START_METHODS = ("forkserver", "spawn", "fork")
 # torchrun also takes the name of a registered out-of-tree device backend (counted at launch)
 NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")
 _DEVICE_WORD = re.compile(r"^[a-z][a-z0-9_]*$")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # torch's own rendezvous backends; others come from the `torchrun.handlers` entry points
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
@@ -232,5 +233,11 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
                 conf.training_script_args,
                 "only applies with hydra.launcher.training_script set",
             )
+    if not (
+        conf.preload == "auto"
+        or isinstance(conf.preload, (list, tuple))
+        and all(isinstance(m, str) and _MODULE_NAME.match(m) for m in conf.preload)
+    ):
+        raise _refuse("preload", conf.preload, "use auto, or a list of module names such as [lightning]")
     if conf.devices is not None and len(set(map(str, conf.devices))) != len(conf.devices):
         raise _refuse("devices", conf.devices, "list each device id once")

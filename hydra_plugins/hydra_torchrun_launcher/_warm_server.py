@@ -25,7 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lifetime import die_with_parent
 
@@ -64,7 +64,11 @@ def serve(fd: int) -> None:
 
     sys_path, preload = pickle.loads(_recv_frame(sock))
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
-    _preload(preload)
+    report = _preload(preload)
+    frame = pickle.dumps(report)
+    sock.sendall(struct.pack("=q", len(frame)) + frame)
+    if report["cuda_initialised_by"] is not None:
+        os._exit(3)  # forked ranks could not use CUDA: the launcher starts a server without it
     # multiprocessing's resource tracker, started once here: every job process inherits it
     from multiprocessing import resource_tracker
 
@@ -143,17 +147,33 @@ def _reap(sock: socket.socket, children: Dict[int, int]) -> None:
             sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
 
 
-def _preload(modules: Sequence[str]) -> None:
+def _preload(modules: Sequence[str]) -> Dict[str, Any]:
+    """Import torch, our rank-side modules and `modules`; what failed, and what touched CUDA.
+
+    A module that fails to import is skipped (the launcher warns, naming it). One that
+    initialises CUDA would leave every forked rank unable to use it: the server stops there.
+    """
     import importlib
 
-    for name in [*BASE_PRELOAD, *modules, "hydra_plugins.hydra_torchrun_launcher._job_process"]:
+    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job_process"):
         importlib.import_module(name)
+    import torch
+
+    skipped: List[Tuple[str, str]] = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # reported to the launcher, which names the module
+            skipped.append((name, f"{type(e).__name__}: {e}".splitlines()[0]))
+        if torch.cuda.is_initialized():
+            return {"skipped": skipped, "cuda_initialised_by": name}
     # Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs
     from hydra.core.plugins import Plugins
 
     global PLUGINS, SCANNED_PATH
     PLUGINS = Plugins.instance()
     SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
+    return {"skipped": skipped, "cuda_initialised_by": None}
 
 
 def _recv_frame(sock: socket.socket) -> bytes:
@@ -199,6 +219,15 @@ class WarmServer:
         self._buffer = b""
         self.exited: Dict[int, int] = {}  # pid -> wait status, for job processes that ended
         self._started: List[int] = []
+        self._report: Optional[Dict[str, Any]] = None
+
+    def report(self) -> Dict[str, Any]:
+        """What the server's preload did (waits until it is done): skipped modules, CUDA."""
+        if self._report is None:
+            import pickle
+
+            self._report = pickle.loads(_recv_frame(self._sock))
+        return self._report
 
     def alive(self) -> bool:
         return self._process.poll() is None
@@ -208,6 +237,7 @@ class WarmServer:
 
     def start_job(self, payload_r: int, result_w: int) -> int:
         """Fork a job process that reads its payload from `payload_r`; its pid."""
+        self.report()
         socket.send_fds(self._sock, [_REQUEST], [payload_r, result_w, 0, 1, 2])
         while not self._started:
             self._receive(block=True)
@@ -256,10 +286,12 @@ _server_lock = threading.Lock()
 
 
 def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
-    """The launcher's server for the current import path, started on first use.
+    """The launcher's server for the current import path and preload list, started on first use.
 
     It lives as long as the launcher process (an Optuna sweep calls `launch` once per
-    batch; each call reuses it) and is replaced when the app's import path changed.
+    batch; each call reuses it) and is replaced when the import path or the list changed.
+    A module that fails to preload is skipped with one warning; one that initialises CUDA
+    is left out (the server is started again without it), also with a warning.
     """
     global _server
     with _server_lock:
@@ -270,3 +302,25 @@ def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
         if _server is None:
             _server = WarmServer(list(sys.path), preload)
         return _server
+
+
+def checked_warm_server(preload: Tuple[str, ...]) -> WarmServer:
+    """`warm_server`, once its preload is done, with its warnings logged."""
+    import logging
+
+    log = logging.getLogger(__name__)
+    while True:
+        server = warm_server(preload)
+        report = server.report()
+        for name, error in report["skipped"]:
+            log.warning(
+                f"hydra.launcher.preload: {name} was not preloaded ({error}); ranks import it themselves"
+            )
+        culprit = report["cuda_initialised_by"]
+        if culprit is None:
+            return server
+        log.warning(
+            f"hydra.launcher.preload: importing {culprit} initialises CUDA, which forked ranks could not "
+            "use; it is not preloaded"
+        )
+        preload = tuple(name for name in preload if name != culprit)

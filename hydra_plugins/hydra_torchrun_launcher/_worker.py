@@ -53,6 +53,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     _match_torch_threads()
+    _refresh_ranks_read_at_import()
     job: RankPayload = cloudpickle.loads(payload)
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
@@ -83,6 +84,19 @@ def _match_torch_threads() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
+
+
+def _refresh_ranks_read_at_import() -> None:
+    """Libraries the warm server preloaded that fixed the process's rank when imported.
+
+    Lightning sets `rank_zero_only.rank` from RANK at import (and keeps it); imported in the
+    warm server, before any rank existed, it would make every rank rank 0 until a Trainer
+    corrects it. A rank that imports Lightning itself needs nothing of this.
+    """
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    rank_zero_only = getattr(rank_zero, "rank_zero_only", None)
+    if rank_zero_only is not None and hasattr(rank_zero_only, "rank") and "RANK" in os.environ:
+        rank_zero_only.rank = int(os.environ["RANK"])
 
 
 def check_nodes_agree(job_num: int, overrides: List[str]) -> None:

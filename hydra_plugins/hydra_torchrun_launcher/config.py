@@ -76,6 +76,10 @@ class TorchrunLauncherConf:
     launch_prefix: List[str] = field(default_factory=list)
     # auto: take nnodes / node_rank / rendezvous from SLURM inside an srun step; none: off
     cluster: str = "auto"
+    # what the warm server imports once per sweep so ranks start with it: auto = torch plus
+    # the installed packages the app had imported when the sweep launched; a list = torch
+    # plus those modules; [] = torch only
+    preload: Any = "auto"
 
 
 # Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field

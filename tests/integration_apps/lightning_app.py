@@ -96,6 +96,10 @@ def make_data(samples: int) -> TensorDataset:
 
 @hydra.main(version_base="1.3", config_path=None, config_name="config")
 def fit(cfg: DictConfig) -> float:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    # Lightning's idea of this process's rank before any Trainer exists (it reads RANK at import)
+    rank_before_trainer = rank_zero_only.rank
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     L.seed_everything(int(os.environ["RANK"]))  # different initial weights per rank: DDP syncs them
     model = Regression(cfg.lr)
@@ -133,6 +137,7 @@ def fit(cfg: DictConfig) -> float:
         "tree_while_training": model.tree_while_training,
         "children_after_fit": [_describe(p) for p in psutil.Process().children(recursive=True)],
         "argv": sys.argv,
+        "rank_zero_only_before_trainer": rank_before_trainer,
     }
     torch.distributed.destroy_process_group()
     out = Path(HydraConfig.get().runtime.output_dir) / f"rank{trainer.global_rank}.json"

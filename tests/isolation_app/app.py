@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import hydra
+import psutil  # noqa: F401  (an installed package the app imports: what `preload: auto` takes)
 import rank_probe
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -38,6 +39,8 @@ def main(cfg: DictConfig) -> dict:
         "job_started": (job_dir / "on_job_start.txt").is_file(),
         "attempt": attempt,
         "pid": os.getpid(),
+        # psutil's C extension is mapped in this rank only if the warm server preloaded it
+        "psutil_preloaded": "_psutil_linux" in Path("/proc/self/maps").read_text(),
     }
     print(f"hello from job {cfg.x} rank {rank}", flush=True)
     (job_dir / f"started_rank{rank}").touch()

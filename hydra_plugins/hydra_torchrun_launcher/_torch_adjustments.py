@@ -1,0 +1,72 @@
+"""The only places where a job's process changes what torch does, each guarded and measured.
+
+They apply in the job's own process (`_job_process`), which runs one job's elastic agent
+and nothing else, so they never touch the launcher or another job. Each checks that the
+torch it finds has the shape it was written against (checked on torch 2.13 to 2.15) and
+otherwise leaves torch alone, with one warning where a documented promise then does not hold.
+
+- `ProcessContext.join` (torch.multiprocessing.spawn, public): on a rank's failure torch's
+  agent calls it without a grace period, and it then waits a hard-coded 30 s between
+  SIGTERM and SIGKILL, so a survivor that handles SIGTERM (Lightning, any
+  checkpoint-on-SIGTERM code) keeps the job alive that long. Here the grace period, a
+  documented argument, defaults to the job's `shutdown_timeout`, and the survivors get
+  SIGTERM as soon as the failure is seen: a survivor that ignores SIGTERM is killed at
+  most 2 x shutdown_timeout after the failure.
+- `dynamic_rendezvous.get_method_name` (public in its module): names the calling method for
+  rendezvous event records, through two `inspect.stack()` calls that read the source of
+  every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
+  a large app loaded). Here the same name comes from walking the frames.
+"""
+
+import inspect
+import logging
+from types import FrameType
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+
+def adjust_torch_for_this_job(shutdown_timeout: float) -> None:
+    _join_within_shutdown_timeout(shutdown_timeout)
+    _cheap_method_names()
+
+
+def _join_within_shutdown_timeout(seconds: float) -> None:
+    from torch.multiprocessing.spawn import ProcessContext
+
+    original = ProcessContext.join
+    if "grace_period" not in inspect.signature(original).parameters:
+        log.warning(
+            "this torch's ProcessContext.join takes no grace_period: after a rank fails, "
+            "its peers get 30 s (not hydra.launcher.shutdown_timeout) before SIGKILL"
+        )
+        return
+
+    def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
+        if grace_period is None:
+            if any(process.exitcode not in (None, 0) for process in self.processes):
+                # a rank failed: the survivors get the graceful signal now, not after a grace period
+                for process in self.processes:
+                    if process.is_alive():
+                        process.terminate()
+            grace_period = seconds
+        return original(self, timeout, grace_period)
+
+    ProcessContext.join = join  # type: ignore[method-assign]
+
+
+def _cheap_method_names() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    current = getattr(dynamic_rendezvous, "get_method_name", None)
+    if current is None or list(inspect.signature(current).parameters) != ["depth"]:
+        return  # a torch that names methods some other way: leave it be
+
+    def get_method_name(depth: int = 2) -> str:
+        # inspect.stack()[depth] counted from this function's own frame, without reading sources
+        frame: Optional[FrameType] = inspect.currentframe()
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+        return frame.f_code.co_name if frame is not None else "no_method_name"
+
+    dynamic_rendezvous.get_method_name = get_method_name
