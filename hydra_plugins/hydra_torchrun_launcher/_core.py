@@ -12,10 +12,6 @@ import copy
 import logging
 import os
 import signal
-import site
-import sys
-import sysconfig
-from collections import abc
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set
@@ -33,7 +29,7 @@ from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
 from ._signals import signals_named
-from ._warm_server import GROUP_SIGNALS, checked_warm_server, warm_server
+from ._warm_server import GROUP_SIGNALS, checked_warm_server, preload_modules
 from ._worker import RankPayload
 
 if TYPE_CHECKING:
@@ -56,9 +52,7 @@ def launch(
     assert launcher.task_function is not None
 
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
-    # started now, so that its imports overlap with composing and checking the jobs
     preload = preload_modules(launcher.params.get("preload", "auto"))
-    warm_server(preload)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_key = str(sweep_dir.resolve())
@@ -127,46 +121,6 @@ def launch(
     except SweepStopped as stopped:
         react_to_stop(stopped, "the sweep was stopped; its running jobs' ranks were stopped")
         raise
-
-
-# imported by the warm server in any case, or never worth preloading
-_NOT_PRELOADED = frozenset(
-    {"torch", "hydra", "omegaconf", "hydra_plugins", "cloudpickle", "pytest", "pip", "setuptools"}
-)
-
-
-def preload_modules(value: Any) -> "tuple[str, ...]":
-    """The modules the warm server imports besides torch (see the `preload` key).
-
-    `auto`: the top-level packages, installed in site-packages, that the app has imported
-    by now (Lightning, transformers, ...). The app's own modules are not taken: they are
-    cheap to import, and may read torchrun's variables at import, which ranks must see.
-    """
-    if value != "auto":
-        if (
-            isinstance(value, str)
-            or not isinstance(value, abc.Sequence)
-            or not all(isinstance(m, str) for m in value)
-        ):
-            raise LauncherConfigError(
-                f"hydra.launcher.preload={value!r} is invalid: use auto, or a list of module names"
-            )
-        return tuple(value)
-    roots = tuple(
-        os.path.join(path, "")
-        for path in {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
-        if "site-packages" in path or "dist-packages" in path
-    )
-    names = set()
-    for name, module in list(sys.modules.items()):
-        if "." in name or name.startswith("_") or name in _NOT_PRELOADED:
-            continue
-        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(
-            module, "__file__", None
-        )
-        if isinstance(origin, str) and origin.startswith(roots):
-            names.add(name)
-    return tuple(sorted(names))
 
 
 def _hard_limit_s(plan: JobPlan) -> Optional[float]:

@@ -86,7 +86,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             # `python -m` finds the module where the sweep was launched, as torchrun's would
             path = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
-    adjust_torch_for_this_job(conf.shutdown_timeout)
+    adjust_torch_for_this_job(conf.shutdown_timeout, single_node=plan.settings.max_nodes == 1)
     stop_forkserver = start_rank_forkserver() if conf.start_method == "forkserver" else (lambda: None)
     try:
         job = build_agent_job(plan)

@@ -16,6 +16,10 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   rendezvous event records, through two `inspect.stack()` calls that read the source of
   every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
   a large app loaded). Here the same name comes from walking the frames.
+- `dynamic_rendezvous._delay` (private), single-node jobs only: before its first round the
+  c10d rendezvous sleeps a random 0-0.3 s "to skew the rendezvous attempts across the
+  nodes". A single-node job has no other node to skew against; its process skips that
+  sleep (every other delay, such as the 1 s between polls, is kept).
 """
 
 import inspect
@@ -26,9 +30,11 @@ from typing import Any, Optional
 log = logging.getLogger(__name__)
 
 
-def adjust_torch_for_this_job(shutdown_timeout: float) -> None:
+def adjust_torch_for_this_job(shutdown_timeout: float, single_node: bool) -> None:
     _join_within_shutdown_timeout(shutdown_timeout)
     _cheap_method_names()
+    if single_node:
+        _no_skew_delay()
 
 
 def _join_within_shutdown_timeout(seconds: float) -> None:
@@ -70,3 +76,18 @@ def _cheap_method_names() -> None:
         return frame.f_code.co_name if frame is not None else "no_method_name"
 
     dynamic_rendezvous.get_method_name = get_method_name
+
+
+def _no_skew_delay() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None or list(inspect.signature(delay).parameters) != ["seconds"]:
+        return  # a torch that delays some other way: leave it be
+
+    def delay_without_skew(seconds: Any) -> None:
+        if isinstance(seconds, tuple):
+            return  # the random skew between nodes: there is one node
+        delay(seconds)
+
+    dynamic_rendezvous._delay = delay_without_skew

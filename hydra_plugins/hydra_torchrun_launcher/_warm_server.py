@@ -20,11 +20,14 @@ dispositions back. It dies with the launcher (parent-death signal, or the socket
 
 import os
 import signal
+import site
 import socket
 import struct
 import subprocess
 import sys
+import sysconfig
 import threading
+from collections import abc
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lifetime import die_with_parent
@@ -167,6 +170,12 @@ def _preload(modules: Sequence[str]) -> Dict[str, Any]:
             skipped.append((name, f"{type(e).__name__}: {e}".splitlines()[0]))
         if torch.cuda.is_initialized():
             return {"skipped": skipped, "cuda_initialised_by": name}
+    # first-use costs every job process would pay again (it is a fresh fork each time):
+    # OmegaConf's interpolation grammar (antlr builds its tables) and the YAML dumper
+    from omegaconf import OmegaConf
+
+    warm = OmegaConf.create({"a": 1, "b": "${a}"})
+    OmegaConf.to_yaml(OmegaConf.create({"b": warm.b}))
     # Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs
     from hydra.core.plugins import Plugins
 
@@ -279,6 +288,48 @@ class WarmServer:
     def close(self) -> None:
         self._sock.close()
         self._process.wait()
+
+
+# imported by the warm server in any case, or never worth preloading
+_NOT_PRELOADED = frozenset(
+    {"torch", "hydra", "omegaconf", "hydra_plugins", "cloudpickle", "pytest", "pip", "setuptools"}
+)
+
+
+def preload_modules(value: Any) -> "tuple[str, ...]":
+    """The modules the warm server imports besides torch (see the `preload` key).
+
+    `auto`: the top-level packages, installed in site-packages, that the app has imported
+    by now (Lightning, transformers, ...). The app's own modules are not taken: they are
+    cheap to import, and may read torchrun's variables at import, which ranks must see.
+    """
+    if value != "auto":
+        if (
+            isinstance(value, str)
+            or not isinstance(value, abc.Sequence)
+            or not all(isinstance(m, str) for m in value)
+        ):
+            from ._settings import LauncherConfigError
+
+            raise LauncherConfigError(
+                f"hydra.launcher.preload={value!r} is invalid: use auto, or a list of module names"
+            )
+        return tuple(value)
+    roots = tuple(
+        os.path.join(path, "")
+        for path in {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
+        if "site-packages" in path or "dist-packages" in path
+    )
+    names = set()
+    for name, module in list(sys.modules.items()):
+        if "." in name or name.startswith("_") or name in _NOT_PRELOADED:
+            continue
+        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(
+            module, "__file__", None
+        )
+        if isinstance(origin, str) and origin.startswith(roots):
+            names.add(name)
+    return tuple(sorted(names))
 
 
 _server: Optional[WarmServer] = None

@@ -35,6 +35,11 @@ class TorchrunLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ._warm_server import preload_modules, warm_server
+
+        # started first, so that its imports (torch, the app's packages) overlap with the
+        # launcher's own and with composing and checking the jobs
+        warm_server(preload_modules(self.params.get("preload", "auto")))
         from . import _core
 
         return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
