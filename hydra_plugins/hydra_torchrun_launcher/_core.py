@@ -29,7 +29,7 @@ from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
 from ._signals import signals_named
-from ._warm_server import GROUP_SIGNALS, checked_warm_server, preload_modules
+from ._warm_server import GROUP_SIGNALS, checked_warm_server
 from ._worker import RankPayload
 
 if TYPE_CHECKING:
@@ -45,14 +45,15 @@ def launch(
     launcher: "TorchrunLauncher",
     job_overrides: Sequence[Sequence[str]],
     initial_job_idx: int,
+    preload: "tuple[str, ...]",
 ) -> Sequence[JobReturn]:
+    """Run the sweep's jobs; `preload` is what the warm server (already starting) imports."""
     setup_globals()
     assert launcher.config is not None
     assert launcher.hydra_context is not None
     assert launcher.task_function is not None
 
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
-    preload = preload_modules(launcher.params.get("preload", "auto"))
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_key = str(sweep_dir.resolve())

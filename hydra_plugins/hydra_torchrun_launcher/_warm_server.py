@@ -69,7 +69,10 @@ def serve(fd: int) -> None:
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
     report = _preload(preload)
     frame = pickle.dumps(report)
-    sock.sendall(struct.pack("=q", len(frame)) + frame)
+    try:
+        sock.sendall(struct.pack("=q", len(frame)) + frame)
+    except BrokenPipeError:
+        os._exit(0)  # the launcher went away (or replaced this server) while it preloaded
     if report["cuda_initialised_by"] is not None:
         os._exit(3)  # forked ranks could not use CUDA: the launcher starts a server without it
     # multiprocessing's resource tracker, started once here: every job process inherits it
@@ -241,35 +244,22 @@ class WarmServer:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
     def start_job(self, payload_r: int, result_w: int) -> int:
         """Fork a job process that reads its payload from `payload_r`; its pid."""
         self.report()
         socket.send_fds(self._sock, [_REQUEST], [payload_r, result_w, 0, 1, 2])
         while not self._started:
-            self._receive(block=True)
+            self._receive()
         return self._started.pop(0)
-
-    def poll(self) -> None:
-        """Read what the server has said (exit statuses) without blocking."""
-        self._receive(block=False)
 
     def wait_exit(self, pid: int) -> int:
         """The wait status of a job process, waiting for the server to report it."""
         while pid not in self.exited:
-            self._receive(block=True)
+            self._receive()
         return self.exited.pop(pid)
 
-    def _receive(self, block: bool) -> None:
-        self._sock.setblocking(block)
-        try:
-            data = self._sock.recv(4096)
-        except BlockingIOError:
-            return
-        finally:
-            self._sock.setblocking(True)
+    def _receive(self) -> None:
+        data = self._sock.recv(4096)
         if not data:
             raise RuntimeError(
                 f"the torchrun launcher's warm server (pid {self._process.pid}) exited unexpectedly "

@@ -39,7 +39,10 @@ class TorchrunLauncher(Launcher):
 
         # started first, so that its imports (torch, the app's packages) overlap with the
         # launcher's own and with composing and checking the jobs
-        warm_server(preload_modules(self.params.get("preload", "auto")))
+        preload = preload_modules(self.params.get("preload", "auto"))
+        warm_server(preload)
         from . import _core
 
-        return _core.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return _core.launch(
+            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
+        )
