@@ -353,6 +353,10 @@ if __name__ == "__main__":
         ("hydra.launcher.nnodes='2:1'", "nnodes"),
         ("hydra.launcher.redirects='9'", "redirects"),
         ("+hydra.launcher.no_such_key=1", "no_such_key"),
+        # refused here, not job by job by torch, nor silently dropped
+        ("hydra.launcher.rdzv_backend=etcd3", "rdzv_backend"),
+        ("hydra.launcher.logs_specs=nope", "logs_specs"),
+        ("hydra.launcher.signals_to_handle='SIGTERM,SIGTERN'", "signals_to_handle"),
     ],
 )
 def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, override: str, key: str) -> None:
