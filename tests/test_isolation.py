@@ -269,18 +269,22 @@ def test_ctrl_c_with_parallel_jobs_ends_with_one_line_and_no_process_left(
         "hydra.launcher.parallel_jobs=2",
         f"hydra.sweep.dir={sweep_dir}",
         "mode=sleep",
-        "+seconds=600",
         "+x=0,1,2",
     ]
     # a terminal's Ctrl-C reaches the foreground process group: the launcher's own group
-    proc = _start_as_from_a_terminal(command, app_dir, tmp_path / "out.txt", start_new_session=True)
+    out = tmp_path / "out.txt"
+    proc = _start_as_from_a_terminal(
+        command, app_dir, out, start_new_session=True, preexec_fn=_default_signals
+    )
     try:
         _wait_for(lambda: sweep_dir.glob("*/pids/*.pid"), 4)
         descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         started = time.monotonic()
-        for _ in range(presses):
+        os.killpg(proc.pid, signal.SIGINT)
+        if presses == 2:
+            # the second press while the jobs' agents are stopping their ranks
+            _wait_for(lambda: [line for line in out.read_text().splitlines() if "death signal" in line], 1)
             os.killpg(proc.pid, signal.SIGINT)
-            time.sleep(0.2)
         code = proc.wait(timeout=60)
         stopped_in = time.monotonic() - started
     finally:
