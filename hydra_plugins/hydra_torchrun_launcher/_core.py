@@ -11,7 +11,6 @@ processes run at once (`_pool`); the same code path runs one at a time.
 import copy
 import logging
 import os
-import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set
@@ -28,8 +27,8 @@ from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
-from ._signals import signals_named
-from ._warm_server import GROUP_SIGNALS, checked_warm_server
+from ._signals import ignored_group_signals
+from ._warm_server import checked_warm_server
 from ._worker import RankPayload
 
 if TYPE_CHECKING:
@@ -85,7 +84,6 @@ def launch(
             plan.console_label = f"#{plan.idx} "
     server = checked_warm_server(preload)
     hydra_context = launcher.hydra_context
-    signal_names = ",".join(GROUP_SIGNALS)
 
     def request_for(plan: JobPlan, job_devices: Optional[List[str]]) -> bytes:
         # the launcher's state as it is now, when the job starts
@@ -97,7 +95,7 @@ def launch(
                 pickled_state=states[plan.idx],
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
-                ignored_signals=_ignored_signals(),
+                ignored_signals=ignored_group_signals(),
                 devices=job_devices,
                 task_error=task_error,
             )
@@ -117,7 +115,6 @@ def launch(
             request_for,
             _hard_limit_s,
             on_start,
-            signal_names,
         )
     except SweepStopped as stopped:
         react_to_stop(stopped, "the sweep was stopped; its running jobs' ranks were stopped")
@@ -130,10 +127,6 @@ def _hard_limit_s(plan: JobPlan) -> Optional[float]:
     if conf.job_timeout is None:
         return None
     return conf.job_timeout + 2 * conf.shutdown_timeout + 30.0
-
-
-def _ignored_signals() -> List[int]:
-    return [sig for sig in signals_named(",".join(GROUP_SIGNALS)) if signal.getsignal(sig) == signal.SIG_IGN]
 
 
 def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":

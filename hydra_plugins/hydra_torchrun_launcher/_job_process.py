@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
+from ._signals import group_signals
 
 _FRAME = struct.Struct("=q")
 
@@ -75,9 +76,7 @@ def _take_launcher_state(request: JobRequest) -> None:
     os.environ.clear()
     os.environ.update(request.environ)
     os.chdir(request.cwd)
-    from ._warm_server import _group_signals
-
-    for sig in _group_signals():
+    for sig in group_signals():
         if sig in request.ignored_signals:
             signal.signal(sig, signal.SIG_IGN)
         elif sig == signal.SIGINT:

@@ -32,7 +32,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
 from ._failures import JobFailedError
-from ._signals import signals_named
+from ._signals import group_signals
 from ._warm_server import WarmServer
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,6 @@ def run_jobs(
     request_for: Callable[[Any, Optional[List[str]]], bytes],
     hard_limit_s: Callable[[Any], Optional[float]],
     on_start: Callable[[Any, Optional[List[str]]], None],
-    signal_names: str,
 ) -> List[JobReturn]:
     """Run `jobs` (plans with `.idx` and `.nproc`); their JobReturns in job order.
 
@@ -105,7 +104,7 @@ def run_jobs(
     selector = selectors.DefaultSelector()
     stop = _StopRequest(lambda sig: [_signal(job.pid, sig) for job in running.values()])
     try:
-        with stop.handling(signal_names):
+        with stop.handling():
             while waiting or running:
                 while waiting and len(running) < parallel_jobs and stop.signum is None:
                     ok, taken = pool.take(waiting[0].nproc)
@@ -213,12 +212,12 @@ class _StopRequest:
             self._forward(signal.SIGKILL)
 
     @contextmanager
-    def handling(self, signal_names: str) -> Iterator[None]:
-        """Our handler for the named signals the launcher does not ignore (main thread only)."""
+    def handling(self) -> Iterator[None]:
+        """Our handler for the group signals the launcher does not ignore (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        saved = {sig: signal.getsignal(sig) for sig in signals_named(signal_names)}
+        saved = {sig: signal.getsignal(sig) for sig in group_signals()}
         try:
             for sig, handler in saved.items():
                 if handler != signal.SIG_IGN:

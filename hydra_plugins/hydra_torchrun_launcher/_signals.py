@@ -1,8 +1,12 @@
-"""Signal names as torchrun's `signals_to_handle` spells them, and the ones the launcher ignores."""
+"""Signal names as torchrun's `signals_to_handle` spells them, and the signals a sweep's
+processes hand on: those a terminal, `kill -- -PGID` or srun/scancel deliver to a whole
+process group."""
 
 import signal
 import threading
 from typing import List
+
+GROUP_SIGNALS = "SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
 
 def signals_named(names: str) -> List[signal.Signals]:
@@ -13,6 +17,16 @@ def signals_named(names: str) -> List[signal.Signals]:
         if isinstance(sig, signal.Signals) and sig not in found:
             found.append(sig)
     return found
+
+
+def group_signals() -> List[signal.Signals]:
+    """The signals of GROUP_SIGNALS that exist here: the launcher decides what they mean."""
+    return signals_named(GROUP_SIGNALS)
+
+
+def ignored_group_signals() -> List[signal.Signals]:
+    """The group signals this process ignores (`nohup`, a background job): they stay ignored."""
+    return [sig for sig in group_signals() if signal.getsignal(sig) == signal.SIG_IGN]
 
 
 def not_ignored(names: str) -> str:

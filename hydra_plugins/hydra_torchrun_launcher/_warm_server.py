@@ -31,9 +31,8 @@ from collections import abc
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._lifetime import die_with_parent
+from ._signals import group_signals
 
-# signals a terminal, `kill -- -PGID` or srun/scancel deliver to every process of a group
-GROUP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 # what every job process imports anyway: done once here, inherited by every fork
 BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api")
 
@@ -50,17 +49,13 @@ _BOOTSTRAP = (
 )
 
 
-def _group_signals() -> List[signal.Signals]:
-    return [getattr(signal, name) for name in GROUP_SIGNALS if hasattr(signal, name)]
-
-
 # ------------------------------------------------------------------ server side
 
 
 def serve(fd: int) -> None:
     """Main loop of the server process (started by `WarmServer.start`)."""
     die_with_parent()
-    for sig in _group_signals():
+    for sig in group_signals():
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     import pickle
