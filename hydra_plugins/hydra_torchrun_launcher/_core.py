@@ -61,18 +61,15 @@ def launch(
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
     configs: Dict[int, DictConfig] = {}
-    states: Dict[int, bytes] = {}
     notes = set()
     for i, overrides in enumerate(job_overrides):
         config = _compose(launcher, list(overrides), initial_job_idx + i)
         # once per job: HydraConfig holds this job's config while its settings and state are read
         with _hydra_config(config):
             settings, note = _checked_settings(config)
-            state = cloudpickle.dumps(Singleton.get_state())
-            plan = _plan(config, settings, pickled_task, state, sweep_key)
+            plan = _plan(config, settings, pickled_task, sweep_key)
         plans.append(plan)
         configs[plan.idx] = config
-        states[plan.idx] = state
         notes.add(note)
     for note in sorted(n for n in notes if n):
         log.info(note)
@@ -92,7 +89,6 @@ def launch(
                 plan=plan,
                 config=configs[plan.idx],
                 hydra_context=hydra_context,
-                pickled_state=states[plan.idx],
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
                 ignored_signals=ignored_group_signals(),
@@ -171,9 +167,7 @@ def _keys_set(config: DictConfig) -> Set[str]:
     return keys
 
 
-def _plan(
-    config: DictConfig, settings: JobSettings, pickled_task: bytes, pickled_state: bytes, sweep_key: str
-) -> JobPlan:
+def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_key: str) -> JobPlan:
     """What the job's ranks need, captured now: Hydra's global state is this job's only here.
 
     Called with HydraConfig set to `config`.
@@ -199,7 +193,7 @@ def _plan(
         output_dir=output_dir,
         payload=RankPayload(
             pickled_task=pickled_task,
-            pickled_state=pickled_state,
+            pickled_state=cloudpickle.dumps(Singleton.get_state()),
             task_cfg=task_cfg,
             job_logging=job_logging,  # type: ignore[arg-type]
             job_num=idx,

@@ -40,7 +40,6 @@ class JobRequest:
     plan: JobPlan
     config: DictConfig
     hydra_context: HydraContext
-    pickled_state: bytes  # Hydra's Singleton state (ConfigStore, resolvers, ...)
     environ: Dict[str, str]  # the launcher's os.environ now
     cwd: str  # the launcher's working dir now
     ignored_signals: List[int]  # signals the launcher ignores: they stay ignored
@@ -84,7 +83,8 @@ def _take_launcher_state(request: JobRequest) -> None:
         else:
             signal.signal(sig, signal.SIG_DFL)
     setup_globals()
-    state = cloudpickle.loads(request.pickled_state)
+    # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
+    state = cloudpickle.loads(request.plan.payload.pickled_state)
     from ._worker import with_scanned_plugins
 
     Singleton.set_state(with_scanned_plugins(state))

@@ -19,6 +19,7 @@ dispositions back. It dies with the launcher (parent-death signal, or the socket
 """
 
 import os
+import pickle
 import signal
 import site
 import socket
@@ -28,7 +29,7 @@ import sys
 import sysconfig
 import threading
 from collections import abc
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ._lifetime import die_with_parent
 from ._signals import group_signals
@@ -58,14 +59,11 @@ def serve(fd: int) -> None:
     for sig in group_signals():
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    import pickle
-
-    sys_path, preload = pickle.loads(_recv_frame(sock))
+    sys_path, preload = _recv_frame(sock)
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
     report = _preload(preload)
-    frame = pickle.dumps(report)
     try:
-        sock.sendall(struct.pack("=q", len(frame)) + frame)
+        _send_frame(sock, report)
     except BrokenPipeError:
         os._exit(0)  # the launcher went away (or replaced this server) while it preloaded
     if report["cuda_initialised_by"] is not None:
@@ -74,7 +72,7 @@ def serve(fd: int) -> None:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    children: Dict[int, int] = {}
+    children: Set[int] = set()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -112,7 +110,7 @@ def serve(fd: int) -> None:
                 _run_job_process(payload_r, result_w)
             for fd in (payload_r, result_w, *stdio):
                 os.close(fd)
-            children[pid] = pid
+            children.add(pid)
             sock.sendall(_PID_MESSAGE.pack(b"P", pid, 0))
         _reap(sock, children)
 
@@ -136,7 +134,7 @@ def _run_job_process(payload_r: int, result_w: int) -> None:
         os._exit(code)
 
 
-def _reap(sock: socket.socket, children: Dict[int, int]) -> None:
+def _reap(sock: socket.socket, children: Set[int]) -> None:
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -144,7 +142,8 @@ def _reap(sock: socket.socket, children: Dict[int, int]) -> None:
             return
         if pid == 0:
             return
-        if children.pop(pid, None) is not None:
+        if pid in children:
+            children.discard(pid)
             sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
 
 
@@ -183,9 +182,15 @@ def _preload(modules: Sequence[str]) -> Dict[str, Any]:
     return {"skipped": skipped, "cuda_initialised_by": None}
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
+def _send_frame(sock: socket.socket, value: Any) -> None:
+    """One pickled value, length first (the server's start-up exchange)."""
+    frame = pickle.dumps(value)
+    sock.sendall(struct.pack("=q", len(frame)) + frame)
+
+
+def _recv_frame(sock: socket.socket) -> Any:
     header = _recv_exact(sock, 8)
-    return _recv_exact(sock, struct.unpack("=q", header)[0])
+    return pickle.loads(_recv_exact(sock, struct.unpack("=q", header)[0]))
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -219,10 +224,7 @@ class WarmServer:
             )
         finally:
             theirs.close()
-        import pickle
-
-        frame = pickle.dumps((list(sys_path), list(preload)))
-        self._sock.sendall(struct.pack("=q", len(frame)) + frame)
+        _send_frame(self._sock, (list(sys_path), list(preload)))
         self._buffer = b""
         self.exited: Dict[int, int] = {}  # pid -> wait status, for job processes that ended
         self._started: List[int] = []
@@ -231,9 +233,7 @@ class WarmServer:
     def report(self) -> Dict[str, Any]:
         """What the server's preload did (waits until it is done): skipped modules, CUDA."""
         if self._report is None:
-            import pickle
-
-            self._report = pickle.loads(_recv_frame(self._sock))
+            self._report = _recv_frame(self._sock)
         return self._report
 
     def alive(self) -> bool:
