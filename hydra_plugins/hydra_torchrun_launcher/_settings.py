@@ -8,6 +8,7 @@ import functools
 import re
 import signal
 import typing
+from collections import abc
 from dataclasses import asdict, dataclass, fields
 from importlib.metadata import entry_points
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
@@ -161,6 +162,15 @@ def parse_local_ranks_filter(value: str) -> Optional[Set[int]]:
     return {int(v) for v in items}
 
 
+def check_preload(value: Any) -> None:
+    """`preload` is auto or a list of module names (a YAML list, or OmegaConf's ListConfig)."""
+    if value == "auto":
+        return
+    names = not isinstance(value, str) and isinstance(value, abc.Sequence)
+    if not names or not all(isinstance(m, str) and _MODULE_NAME.match(m) for m in value):
+        raise _refuse("preload", value, "use auto, or a list of module names such as [lightning]")
+
+
 @functools.cache
 def _entry_point_names(group: str, builtin: Tuple[str, ...] = ()) -> Tuple[str, ...]:
     """Names of an entry-point group (how torchrun finds out-of-tree backends and log layouts)."""
@@ -233,11 +243,6 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
                 conf.training_script_args,
                 "only applies with hydra.launcher.training_script set",
             )
-    if not (
-        conf.preload == "auto"
-        or isinstance(conf.preload, (list, tuple))
-        and all(isinstance(m, str) and _MODULE_NAME.match(m) for m in conf.preload)
-    ):
-        raise _refuse("preload", conf.preload, "use auto, or a list of module names such as [lightning]")
+    check_preload(conf.preload)
     if conf.devices is not None and len(set(map(str, conf.devices))) != len(conf.devices):
         raise _refuse("devices", conf.devices, "list each device id once")

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import sysconfig
 import threading
-from collections import abc
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ._lifetime import die_with_parent
@@ -288,17 +287,10 @@ def preload_modules(value: Any) -> "tuple[str, ...]":
     by now (Lightning, transformers, ...). The app's own modules are not taken: they are
     cheap to import, and may read torchrun's variables at import, which ranks must see.
     """
-    if value != "auto":
-        if (
-            isinstance(value, str)
-            or not isinstance(value, abc.Sequence)
-            or not all(isinstance(m, str) for m in value)
-        ):
-            from ._settings import LauncherConfigError
+    from ._settings import check_preload
 
-            raise LauncherConfigError(
-                f"hydra.launcher.preload={value!r} is invalid: use auto, or a list of module names"
-            )
+    check_preload(value)
+    if value != "auto":
         return tuple(value)
     roots = tuple(
         os.path.join(path, "")
