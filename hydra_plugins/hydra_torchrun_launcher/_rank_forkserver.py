@@ -34,6 +34,23 @@ def _supported() -> bool:
     return params[:3] == ["listener_fd", "alive_r", "preload"] and "authkey_r" not in params
 
 
+def drop_inherited_forkserver() -> None:
+    """Forget the forkserver this process knows, closing its end of the server's alive pipe.
+
+    Every process a forkserver forks (every forkserver rank) inherits the write end of the
+    pipe by which the forkserver learns that its job process is gone. While a rank holds it,
+    the forkserver outlives a killed job process, and so does the rank, whose parent-death
+    signal waits for the forkserver. A rank that starts processes with the forkserver method
+    itself then gets a forkserver of its own. The job process drops it to stop its server.
+    """
+    client = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(client, "_forkserver_alive_fd", None)
+    if alive_fd is None:
+        return
+    client._forkserver_address = client._forkserver_alive_fd = client._forkserver_pid = None  # type: ignore
+    os.close(alive_fd)
+
+
 def start_rank_forkserver() -> Callable[[], None]:
     """Fork the job's forkserver and point multiprocessing at it; returns how to stop it."""
     if not _supported():
@@ -65,9 +82,7 @@ def start_rank_forkserver() -> Callable[[], None]:
     client._forkserver_pid = pid
 
     def stop() -> None:
-        # closing the alive pipe ends the server's loop
-        client._forkserver_address = client._forkserver_alive_fd = client._forkserver_pid = None
-        os.close(alive_w)
+        drop_inherited_forkserver()  # closing the alive pipe ends the server's loop
         os.waitpid(pid, 0)
         if os.path.exists(address):
             os.unlink(address)

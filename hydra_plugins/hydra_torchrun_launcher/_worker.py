@@ -26,6 +26,7 @@ from hydra.core.utils import _flush_loggers, configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
 from ._lifetime import die_with_parent
+from ._rank_forkserver import drop_inherited_forkserver
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
@@ -48,7 +49,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     importable module needs the app's import path first.
     """
     die_with_parent()
-    _release_forkserver()
+    drop_inherited_forkserver()
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -163,25 +164,6 @@ def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     from hydra.core.plugins import Plugins
 
     return {**state, "instances": {**state["instances"], Plugins: server.PLUGINS}}
-
-
-def _release_forkserver() -> None:
-    """Drop what this rank inherited of its job's forkserver (`_rank_forkserver`).
-
-    Every process a forkserver forks inherits the write end of the pipe by which the
-    forkserver learns that its job process is gone. While a rank holds it, the forkserver
-    outlives a killed job process, and so does the rank, whose parent-death signal waits
-    for the forkserver. A rank that starts processes with the forkserver method itself
-    gets a forkserver of its own.
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    alive_fd = getattr(server, "_forkserver_alive_fd", None)
-    if alive_fd is None:
-        return
-    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None  # type: ignore
-    os.close(alive_fd)
 
 
 def _linger_before_failing(grace_s: float) -> None:
