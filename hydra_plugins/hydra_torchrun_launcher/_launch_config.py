@@ -8,7 +8,6 @@ ignored while it has its default and refused, by name, when a user sets it.
 
 import dataclasses
 import hashlib
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ _FIELD_OF_KEY = {
     "duplicate_stdout_filters": "duplicate_stdout_filters",
     "duplicate_stderr_filters": "duplicate_stderr_filters",
     "virtual_local_rank": "virtual_local_rank",
+    "shutdown_timeout": "shutdown_timeout",
     "numa_binding": "numa_options",
     "local_addr": "local_addr",
     "local_ranks_filter": "logs_specs",
@@ -97,13 +97,6 @@ def rendezvous_for(settings: JobSettings, sweep_key: str, job_num: int) -> Rende
 def check_supported(settings: JobSettings) -> None:
     """Refuse, by name, a key the user set that the installed torch cannot honour."""
     have = launch_config_fields()
-    if "shutdown_timeout" not in have and settings.conf.shutdown_timeout != 30:
-        # torch < 2.12: the agent's own stop waits 30 s; a rank failure still honours the key
-        logging.getLogger(__name__).warning(
-            f"hydra.launcher.shutdown_timeout={settings.conf.shutdown_timeout} applies only after a rank "
-            f"fails with torch {torch.__version__}: a stop (Ctrl-C, job_timeout) waits torch's 30 s "
-            "before SIGKILL (torch >= 2.12 honours it everywhere)"
-        )
     for key, value in settings.changed_from_default().items():
         field_name = _FIELD_OF_KEY.get(key)
         if field_name is not None and field_name not in have:
