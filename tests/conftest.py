@@ -1,10 +1,12 @@
 """Shared test helpers: running apps as a user would, and proving no process is left behind."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Iterable, List, Sequence
+from typing import Any, Callable, Iterable, List, Sequence
 
 import psutil
 import pytest
@@ -88,3 +90,25 @@ def run_app(
             f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
         )
     return result
+
+
+def as_from_a_terminal() -> None:
+    """Signal dispositions of a command typed in a terminal, whatever this test runs under.
+
+    A background job of a non-interactive shell (as CI may run the tests) ignores SIGINT,
+    and the launcher, rightly, keeps ignoring what it was started ignoring.
+    """
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """The first truthy value of `condition()`, polled; fails the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)

@@ -19,13 +19,13 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
 
 import psutil
 import pytest
 from omegaconf import DictConfig
 
-from tests.conftest import assert_gone
+from tests.conftest import as_from_a_terminal, assert_gone, wait_for
 
 APPS = Path(__file__).parent / "apps"
 LAUNCHER = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"]
@@ -52,16 +52,6 @@ def _sweep_command(
 ) -> List[str]:
     app_path = _install_apps(tmp_path) / app
     return [sys.executable, str(app_path), "-m", *LAUNCHER, f"hydra.sweep.dir={tmp_path / name}", *overrides]
-
-
-def _as_from_a_terminal() -> None:
-    """Signal dispositions of a command typed in a terminal, whatever this test runs under.
-
-    A background job of a non-interactive shell (as CI may run the tests) ignores SIGINT,
-    and the launcher, rightly, keeps ignoring what it was started ignoring.
-    """
-    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _env(**extra: str) -> Dict[str, str]:
@@ -105,17 +95,6 @@ def _rank_pids(job_dir: Path) -> List[int]:
 
 def _all_rank_pids(sweep_dir: Path) -> List[int]:
     return [pid for job_dir in sorted(sweep_dir.iterdir()) if job_dir.is_dir() for pid in _rank_pids(job_dir)]
-
-
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _output(result: subprocess.CompletedProcess) -> str:
@@ -353,11 +332,11 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path: Path, name: str) -> No
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,
-            preexec_fn=_as_from_a_terminal,
+            preexec_fn=as_from_a_terminal,
         )
     ours = {launcher.pid}
     try:
-        _wait_for(
+        wait_for(
             lambda: (
                 all(len(_rank_pids(sweep_dir / str(n))) == 2 for n in stop.running)
                 or launcher.poll() is not None
@@ -375,7 +354,7 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path: Path, name: str) -> No
         else:
             os.kill(launcher.pid, stop.sig)
         if stop.twice:
-            _wait_for(lambda: "death signal" in err.read_text(), 30, "the agent to act on the first signal")
+            wait_for(lambda: "death signal" in err.read_text(), 30, "the agent to act on the first signal")
             os.kill(launcher.pid, stop.sig)
         returncode = launcher.wait(timeout=60)
     finally:
@@ -699,7 +678,7 @@ def test_a_signal_the_launcher_ignores_stays_ignored(tmp_path: Path) -> None:
             preexec_fn=_ignoring_sigint,
         )
     try:
-        _wait_for(
+        wait_for(
             lambda: len(list(tmp_path.glob("running_*"))) == 2 or launcher.poll() is not None,
             120,
             "both ranks to run",

@@ -19,7 +19,7 @@ from typing import Any, Dict, List
 import psutil
 import pytest
 
-from tests.conftest import assert_gone, run_app
+from tests.conftest import as_from_a_terminal, assert_gone, run_app, wait_for
 
 APP_DIR = Path(__file__).parent / "isolation_app"
 FAULT_APPS = Path(__file__).parent / "apps"
@@ -206,21 +206,9 @@ def _start_as_from_a_terminal(command: List[str], cwd: Path, out: Path, **popen:
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=subprocess.STDOUT, **popen)
 
 
-def _wait_for(path_glob: Any, count: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(path_glob())) < count:
-        assert time.monotonic() < deadline, "the ranks never started"
-        time.sleep(0.05)
-
-
-def _default_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-
-
 def _ignore_hangup() -> None:
     """What `nohup` does before it runs the command."""
-    _default_signals()
+    as_from_a_terminal()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
@@ -238,7 +226,7 @@ def test_signal_ignored_by_the_launcher_stays_ignored_with_parallel_jobs(tmp_pat
     ]
     proc = _start_as_from_a_terminal(command, app_dir, tmp_path / "out.txt", preexec_fn=_ignore_hangup)
     try:
-        _wait_for(lambda: sweep_dir.glob("*/started_rank*"), 4)
+        wait_for(lambda: len(list(sweep_dir.glob("*/started_rank*"))) == 4, 120, "both jobs' ranks")
         # a hangup reaches the launcher and, as `kill -HUP` may, every process of the sweep
         for process in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
             process.send_signal(signal.SIGHUP)
@@ -274,16 +262,16 @@ def test_ctrl_c_with_parallel_jobs_ends_with_one_line_and_no_process_left(
     # a terminal's Ctrl-C reaches the foreground process group: the launcher's own group
     out = tmp_path / "out.txt"
     proc = _start_as_from_a_terminal(
-        command, app_dir, out, start_new_session=True, preexec_fn=_default_signals
+        command, app_dir, out, start_new_session=True, preexec_fn=as_from_a_terminal
     )
     try:
-        _wait_for(lambda: sweep_dir.glob("*/pids/*.pid"), 4)
+        wait_for(lambda: len(list(sweep_dir.glob("*/pids/*.pid"))) == 4, 120, "both jobs' ranks")
         descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         started = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         if presses == 2:
             # the second press while the jobs' agents are stopping their ranks
-            _wait_for(lambda: [line for line in out.read_text().splitlines() if "death signal" in line], 1)
+            wait_for(lambda: "death signal" in out.read_text(), 30, "the agents to act on the first press")
             os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=60)
         stopped_in = time.monotonic() - started
