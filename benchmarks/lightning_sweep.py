@@ -79,52 +79,24 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        started = time.time()
-        _run(
-            [
-                sys.executable,
-                str(APP),
-                "-m",
-                "hydra/launcher=torchrun",
-                "hydra.launcher.nproc_per_node=2",
-                f"hydra.sweep.dir={work / 'a'}",
-                sweep,
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        ways = {
+            # way: its commands, run one after the other; its job dirs are under work/<a, b or c>
+            "(a) this launcher": [
+                [sys.executable, str(APP), "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2",
+                 f"hydra.sweep.dir={work / 'a'}", sweep],
             ],
-            work,
-            work / "a.log",
-        )
-        results["(a) this launcher"] = (
-            time.time() - started,
-            _timings([work / "a" / str(i) for i in range(jobs)]),
-        )
-
-        started = time.time()
-        for i in range(jobs):
-            _run(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--standalone",
-                    "--nproc_per_node=2",
-                    str(APP),
-                    f"+x={i}",
-                    f"hydra.run.dir={work / 'b' / str(i)}",
-                ],
-                work,
-                work / "b.log",
-            )
-        results["(b) torchrun loop"] = (
-            time.time() - started,
-            _timings([work / "b" / str(i) for i in range(jobs)]),
-        )
-
-        started = time.time()
-        _run([sys.executable, str(APP), "-m", f"hydra.sweep.dir={work / 'c'}", sweep], work, work / "c.log")
-        results["(c) basic launcher"] = (
-            time.time() - started,
-            _timings([work / "c" / str(i) for i in range(jobs)]),
-        )
+            "(b) torchrun loop": [
+                [*torchrun, str(APP), f"+x={i}", f"hydra.run.dir={work / 'b' / str(i)}"] for i in range(jobs)
+            ],
+            "(c) basic launcher": [[sys.executable, str(APP), "-m", f"hydra.sweep.dir={work / 'c'}", sweep]],
+        }  # fmt: skip
+        for way, commands in ways.items():
+            name = way[1]  # a, b, c
+            started = time.time()
+            for command in commands:
+                _run(command, work, work / f"{name}.log")
+            results[way] = (time.time() - started, _timings([work / name / str(i) for i in range(jobs)]))
 
     print(f"Lightning DDP sweep, {jobs} jobs x 2 CPU ranks, 10 steps each (jobs 2..{jobs}: medians)")
     print(f"{'way':22} {'wall':>7} {'per job':>8} {'overhead':>9} {'to_task':>8} {'setup':>7} {'fit':>6}")
