@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# after its job_timeout, how long a job process may take beyond its ranks' shutdown
+_STOP_MARGIN_S = 30.0
+
 # keys that shape the whole sweep rather than one job: every job must agree on them
 _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload")
 
@@ -122,7 +125,7 @@ def _hard_limit_s(plan: JobPlan) -> Optional[float]:
     conf = plan.settings.conf
     if conf.job_timeout is None:
         return None
-    return conf.job_timeout + 2 * conf.shutdown_timeout + 30.0
+    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S
 
 
 def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":

@@ -37,9 +37,6 @@ from ._warm_server import WarmServer
 
 log = logging.getLogger(__name__)
 
-# after a stop or deadline, how long a job process may take beyond its ranks' shutdown
-_STOP_MARGIN_S = 30.0
-
 
 class DevicePool:
     """Device ids shared out to running jobs, each id to one job at a time."""
