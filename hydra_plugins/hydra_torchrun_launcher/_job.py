@@ -190,8 +190,6 @@ def _run_agent(job: AgentJob) -> Any:
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
         outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        return _node_return_value(job, outputs)
     except ChildFailedError as e:
         failure = describe(e, _stderr_logs(job))
     except SignalException as e:
@@ -202,6 +200,8 @@ def _run_agent(job: AgentJob) -> Any:
         )
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+    if failure is None:
+        return _node_return_value(job, outputs)
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
 
