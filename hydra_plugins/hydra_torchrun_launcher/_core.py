@@ -26,6 +26,8 @@ from ._job import JobPlan
 from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
+from ._report import SweepReport
+from ._reproduce import dry_run_plan, write_rerun_script
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
 from ._signals import ignored_group_signals
 from ._warm_server import checked_warm_server
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 _STOP_MARGIN_S = 30.0
 
 # keys that shape the whole sweep rather than one job: every job must agree on them
-_SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload")
+_SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run")
 
 
 def launch(
@@ -57,7 +59,6 @@ def launch(
 
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     sweep_key = str(sweep_dir.resolve())
 
     pickled_task, task_error = _pickle_task(launcher.task_function)
@@ -69,8 +70,12 @@ def launch(
         config = _compose(launcher, list(overrides), initial_job_idx + i)
         # once per job: HydraConfig holds this job's config while its settings and state are read
         with _hydra_config(config):
-            settings, note = _checked_settings(config)
-            plan = _plan(config, settings, pickled_task, sweep_key)
+            try:
+                settings, note = _checked_settings(config)
+                plan = _plan(config, settings, pickled_task, sweep_key)
+            except LauncherConfigError as e:
+                shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
+                raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
         plans.append(plan)
         configs[plan.idx] = config
         notes.add(note)
@@ -82,6 +87,10 @@ def launch(
     if parallel_jobs > 1:
         for plan in plans:
             plan.console_label = f"#{plan.idx} "
+    if plans[0].settings.conf.dry_run:
+        log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
+        raise SystemExit(0)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
     server = checked_warm_server(preload)
     hydra_context = launcher.hydra_context
 
@@ -100,24 +109,37 @@ def launch(
             )
         )
 
+    report = _report_of(launcher, sweep_dir)
+    report.launching(plans)
+
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
         log.info(f"\t#{plan.idx} : {' '.join(filter_overrides(plan.overrides))}{on}")
+        write_rerun_script(plan, configs[plan.idx], job_devices)
+        report.started(plan.idx)
+
+    def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
+        report.ended(plan.idx, job_return, stopped)
 
     log.info(f"Launching {len(plans)} jobs with torchrun")
     try:
-        return run_jobs(
-            server,
-            plans,
-            parallel_jobs,
-            devices,
-            request_for,
-            _hard_limit_s,
-            on_start,
+        returns = run_jobs(
+            server, plans, parallel_jobs, devices, request_for, _hard_limit_s, on_start, on_end
         )
     except SweepStopped as stopped:
-        react_to_stop(stopped, "the sweep was stopped; its running jobs' ranks were stopped")
+        report.log_table()
+        react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
         raise
+    if len(plans) > 1:
+        report.log_table()
+    return returns
+
+
+def _report_of(launcher: "TorchrunLauncher", sweep_dir: Path) -> SweepReport:
+    """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file."""
+    if launcher.report is None or launcher.report.path.parent != sweep_dir:
+        launcher.report = SweepReport(sweep_dir)
+    return launcher.report
 
 
 def _hard_limit_s(plan: JobPlan) -> Optional[float]:
@@ -204,6 +226,10 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
         ),
         launch_dir=os.getcwd(),
+        env_set={
+            str(k): str(v)
+            for k, v in (OmegaConf.to_container(config.hydra.job.env_set, resolve=True) or {}).items()
+        },
     )
 
 

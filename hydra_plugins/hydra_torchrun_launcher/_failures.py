@@ -1,8 +1,16 @@
-"""Turn a torch elastic failure into the error a user reads in the sweep's output."""
+"""Turn a torch elastic failure into the error a user reads: one story per failed job.
+
+The console already showed the failed rank's own lines (its traceback included, prefixed
+with its rank). The job's error then says, in a few lines, which rank failed, how (its
+exception, signal or exit code) and where its full logs are; the rank's traceback stays
+attached as the error's `__cause__` (shown with `HYDRA_FULL_ERROR=1`, kept by callbacks
+and by anything that formats the exception chain), not printed a second time.
+"""
 
 from pathlib import Path
 from typing import Any, List, Optional
 
+from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 _STDERR_TAIL_LINES = 20
@@ -10,8 +18,27 @@ _STDERR_TAIL_LINES = 20
 _NO_ERROR_FILE = "<N/A>"
 
 
-class JobFailedError(RuntimeError):
-    """A sweep job in which a rank failed. Its message names the rank and carries its error."""
+class RankTraceback(Exception):
+    """What a failed rank left: its traceback, or the last lines of its stderr."""
+
+
+class JobFailedError(CompactHydraException, RuntimeError):
+    """A sweep job that failed: its message names the rank first; the details are its cause.
+
+    A `CompactHydraException`, so Hydra prints the message alone at the end of a sweep
+    instead of the launcher's frames. It is rebuilt from `args` when unpickled, so the
+    cause survives the trip from the job's process to the launcher.
+    """
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message, details)
+        self.message = message
+        self.details = details
+        if details:
+            self.__cause__ = RankTraceback(details)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _cause(failure: ProcessFailure) -> str:
@@ -31,7 +58,19 @@ def _left_error_file(failure: ProcessFailure) -> bool:
     return bool(failure.error_file) and failure.error_file != _NO_ERROR_FILE
 
 
-def _detail(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
+def _exception_line(failure: ProcessFailure) -> str:
+    """ "ValueError: bad lr" for a rank that raised; "" otherwise."""
+    if not _left_error_file(failure):
+        return ""
+    message: Any = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _details(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
+    """The rank's traceback, or the last lines of its stderr when it left none."""
     message: Any = failure.message
     if _left_error_file(failure):
         if isinstance(message, dict):
@@ -46,7 +85,7 @@ def _detail(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
 
 
 def describe(error: ChildFailedError, stderr_logs: Optional[List[Path]] = None) -> JobFailedError:
-    """The root-cause rank first (what failed, how, its traceback), then any other failed rank.
+    """The root-cause rank first (what failed, how), any other failed rank, where the logs are.
 
     `stderr_logs[local_rank]` is that rank's stderr file, read when the rank left no
     traceback (a script, a native crash).
@@ -58,14 +97,13 @@ def describe(error: ChildFailedError, stderr_logs: Optional[List[Path]] = None) 
             return stderr_logs[failure.local_rank]
         return None
 
-    lines = [
-        f"rank {root_rank} (local_rank {root.local_rank}, pid {root.pid}) {_cause(root)}",
-    ]
-    detail = _detail(root, stderr_of(root))
-    if detail:
-        lines.append(detail)
-    others = sorted(rank for rank in error.failures if rank != root_rank)
-    for rank in others:
+    first = f"rank {root_rank} (local_rank {root.local_rank}, pid {root.pid}) {_cause(root)}"
+    exception = _exception_line(root)
+    lines = [f"{first}: {exception}" if exception else first]
+    for rank in sorted(rank for rank in error.failures if rank != root_rank):
         failure = error.failures[rank]
         lines.append(f"also failed: rank {rank} (local_rank {failure.local_rank}) {_cause(failure)}")
-    return JobFailedError("\n".join(lines))
+    log = stderr_of(root)
+    if log is not None and log.is_file():
+        lines.append(f"its output: {log}")
+    return JobFailedError("\n".join(lines), _details(root, log))

@@ -16,7 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -36,6 +36,8 @@ from ._worker import RankPayload, run_rank
 log = logging.getLogger(__name__)
 
 RANK_MAIN = "hydra_plugins.hydra_torchrun_launcher._rank_main"
+# torch's account of its ranks' exits, in the job's dir (made when there is one)
+AGENT_LOG = "torchrun_agent.log"
 
 
 @dataclass
@@ -53,6 +55,8 @@ class JobPlan:
     launch_dir: str
     # what the console puts before each rank's lines ("" or the job's number when jobs overlap)
     console_label: str = ""
+    # hydra.job.env_set, resolved (Hydra's run_job applies it; kept to show and rerun the job)
+    env_set: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +91,9 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             path = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
     adjust_torch_for_this_job(conf.shutdown_timeout, single_node=plan.settings.max_nodes == 1)
+    _rank_exits_to_file(plan.output_dir / AGENT_LOG)
+    if plan.console_label:
+        _label_logged_lines(plan.console_label)
     stop_forkserver = start_rank_forkserver() if conf.start_method == "forkserver" else (lambda: None)
     try:
         job = build_agent_job(plan)
@@ -100,6 +107,57 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         stop_forkserver()
 
 
+def job_log_dir(plan: JobPlan) -> str:
+    """Where torch keeps the job's rank logs: `log_dir` (from the launch dir), else the job dir."""
+    conf = plan.settings.conf
+    return (
+        os.path.join(plan.launch_dir, conf.log_dir)
+        if conf.log_dir
+        else str(plan.output_dir / "torchrun_logs")
+    )
+
+
+def _rank_exits_to_file(path: Path) -> None:
+    """torch's own account of each rank's exit goes to the job's files, not to the console.
+
+    On a failure torch logs the failed rank's traceback again ("failed (exitcode: 1)
+    local_rank: 1 ...") and a line per rank it closes; the console has already shown the
+    rank's own traceback and gets the job's error next, so these would tell it a second
+    and third time. This process is the job's alone and ends with it.
+    """
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
+class _JobLabel(logging.Filter):
+    """Puts the job's label before each record's message, once, whichever handler sees it first."""
+
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "hydra_torchrun_job", False):
+            record.msg = f"{self.label}{record.msg}"
+            record.hydra_torchrun_job = True
+        return True
+
+
+def _label_logged_lines(label: str) -> None:
+    """With jobs at once, what this job's process logs (torch's agent, Hydra's job logging,
+    callbacks) says which job it is, as the ranks' prefixed lines do."""
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
+    job_label = _JobLabel(label)
+    for logger in loggers:
+        for handler in logger.handlers:
+            handler.addFilter(job_label)
+
+
 def build_agent_job(plan: JobPlan) -> AgentJob:
     """The launch config and rank entry point of a job."""
     console = RankConsole()
@@ -107,13 +165,11 @@ def build_agent_job(plan: JobPlan) -> AgentJob:
     try:
         conf = plan.settings.conf
         plan.output_dir.mkdir(parents=True, exist_ok=True)
-        default_log_dir = str(plan.output_dir / "torchrun_logs")
-        log_dir = os.path.join(plan.launch_dir, conf.log_dir) if conf.log_dir else default_log_dir
         launch_config = build_launch_config(
             plan.settings,
             plan.rendezvous,
             nproc_per_node=plan.nproc,
-            log_dir=log_dir,
+            log_dir=job_log_dir(plan),
             console=console,
             console_label=plan.console_label,
         )

@@ -88,12 +88,16 @@ def run_jobs(
     request_for: Callable[[Any, Optional[List[str]]], bytes],
     hard_limit_s: Callable[[Any], Optional[float]],
     on_start: Callable[[Any, Optional[List[str]]], None],
+    on_end: Callable[[Any, JobReturn, bool], None],
 ) -> List[JobReturn]:
     """Run `jobs` (plans with `.idx` and `.nproc`); their JobReturns in job order.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
     starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
+    `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
+    starts and ends (`stopped`: it ended after a stop signal).
     """
+    by_idx = {job.idx: job for job in jobs}
     pool = DevicePool(devices)
     waiting = list(jobs)
     running: Dict[int, RunningJob] = {}
@@ -124,6 +128,7 @@ def run_jobs(
                     del running[finished.idx]
                     pool.give_back(finished.devices)
                     returns[finished.idx] = _job_return(server, finished)
+                    on_end(by_idx[finished.idx], returns[finished.idx], stop.signum is not None)
                 _kill_overdue(running)
             if stop.signum is not None:
                 raise SweepStopped(stop.signum)

@@ -14,6 +14,7 @@ import copy
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -64,7 +65,11 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     task = cloudpickle.loads(job.pickled_task)
     try:
         value = task(job.task_cfg)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception):
+            # on the rank's stderr, as Python prints it for a script under torchrun (from
+            # the task's frame on): the console shows it once, with the rank's prefix
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
         _linger_before_failing(job.failure_grace_s)
         raise
     finally:

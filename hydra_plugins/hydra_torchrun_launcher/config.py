@@ -80,6 +80,9 @@ class TorchrunLauncherConf:
     # the installed packages the app had imported when the sweep launched; a list = torch
     # plus those modules; [] = torch only
     preload: Any = "auto"
+    # print every job's plan (overrides, ranks, devices, rendezvous, the equivalent torchrun
+    # command) and start nothing
+    dry_run: bool = False
 
 
 # Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field

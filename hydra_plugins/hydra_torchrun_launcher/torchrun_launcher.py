@@ -22,6 +22,8 @@ class TorchrunLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
+        # the sweep's progress and outcomes (`_report.SweepReport`), made at the first launch
+        self.report: Any = None
 
     def setup(
         self,
@@ -40,7 +42,8 @@ class TorchrunLauncher(Launcher):
         # started first, so that its imports (torch, the app's packages) overlap with the
         # launcher's own and with composing and checking the jobs
         preload = preload_modules(self.params.get("preload", "auto"))
-        warm_server(preload)
+        if self.params.get("dry_run") is not True:
+            warm_server(preload)
         from . import _core
 
         return _core.launch(

@@ -48,4 +48,6 @@ class Recorder(Callback):
             record["value"] = repr(value)
         else:
             record["error"] = f"{type(value).__name__}: {value}"
+            # what the error chains: the failed rank's traceback
+            record["cause"] = str(value.__cause__) if value.__cause__ is not None else None
         _write(config, {**record, **_process_stats()})

@@ -1,0 +1,162 @@
+"""What a sweep tells its user as it runs: a line per job as it ends, a table, a file.
+
+As each job ends, the launcher logs one line (job k of N, its overrides, status, duration,
+rank 0's return value or the failure), so a failure is seen when it happens. When the
+launch ends (all jobs done, or stopped), a table of its jobs follows, and every job's
+outcome is kept in `<sweep dir>/sweep_summary.json`, rewritten as each job ends, for
+scripts to read (sweepers that launch in batches add to it).
+"""
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "sweep_summary.json"
+COMPLETED, FAILED, STOPPED, NOT_STARTED = "COMPLETED", "FAILED", "STOPPED", "NOT_STARTED"
+_CELL_WIDTH = 48
+
+
+@dataclass
+class JobOutcome:
+    num: int
+    overrides: List[str]
+    status: str
+    duration_s: Optional[float]
+    # rank 0's return value: as is when JSON can hold it, else its repr
+    return_value: Any
+    # the job's error, whole (first line: what failed and how)
+    error: Optional[str]
+    job_dir: str
+
+
+class SweepReport:
+    """The outcomes of one launcher's jobs: progress lines, the table, the summary file.
+
+    One per launcher, so the batches of a sweeper that launches several add up in the file;
+    a new sweep in the same dir starts the file afresh.
+    """
+
+    def __init__(self, sweep_dir: Path) -> None:
+        self.path = sweep_dir / SUMMARY_FILE
+        self.outcomes: Dict[int, JobOutcome] = {}
+        self._started: Dict[int, float] = {}
+        self._batch: List[int] = []
+
+    def launching(self, jobs: Sequence[Any]) -> None:
+        """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`."""
+        self._batch = [job.idx for job in jobs]
+        for job in jobs:
+            self.outcomes[job.idx] = JobOutcome(
+                job.idx, list(job.overrides), NOT_STARTED, None, None, None, str(job.output_dir)
+            )
+
+    def started(self, num: int) -> None:
+        self._started[num] = time.monotonic()
+
+    def ended(self, num: int, job_return: JobReturn, stopped: bool) -> None:
+        """Record the job's outcome, log its line and rewrite the summary file."""
+        outcome = self.outcomes[num]
+        outcome.duration_s = round(time.monotonic() - self._started[num], 3)
+        if job_return.status == JobStatus.COMPLETED:
+            outcome.status = COMPLETED
+            outcome.return_value = _json_or_repr(job_return._return_value)
+        else:
+            outcome.status = STOPPED if stopped else FAILED
+            outcome.error = str(job_return._return_value)
+        self.write()
+        ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
+        line = (
+            f"job {ended} of {len(self._batch)} ended: #{num} : {_overrides(outcome)} : "
+            f"{outcome.status} in {outcome.duration_s:.2f}s"
+        )
+        if outcome.status == COMPLETED:
+            log.info(f"{line}, returned {_short(outcome.return_value)}")
+        else:
+            first, *rest = (outcome.error or "").splitlines() or [""]
+            log.error("\n\t".join([f"{line}: {first}", *rest]))
+
+    def write(self) -> None:
+        """The summary file, replaced whole: a reader never sees half of it."""
+        jobs = [asdict(self.outcomes[num]) for num in sorted(self.outcomes)]
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        partial.write_text(json.dumps({"jobs": jobs}, indent=1, default=repr) + "\n")
+        os.replace(partial, self.path)
+
+    def table(self) -> str:
+        """This launch's jobs, a row each: number, status, time, overrides, result, job dir."""
+        rows = [["#", "status", "time", "overrides", "result", "job dir"]]
+        for num in self._batch:
+            outcome = self.outcomes[num]
+            if outcome.status == COMPLETED:
+                result = _short(outcome.return_value)
+            else:
+                result = _cut((outcome.error or "").split("\n", 1)[0])
+            duration = "" if outcome.duration_s is None else f"{outcome.duration_s:.2f}s"
+            rows.append(
+                [
+                    str(num),
+                    outcome.status,
+                    duration,
+                    _cut(_overrides(outcome)),
+                    result,
+                    _shown(outcome.job_dir),
+                ]
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+    def log_table(self) -> None:
+        counts: Dict[str, int] = {}
+        for num in self._batch:
+            counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
+        tally = ", ".join(f"{count} {status.lower().replace('_', ' ')}" for status, count in counts.items())
+        log.info(f"{len(self._batch)} jobs: {tally} (summary: {_shown(str(self.path))})\n{self.table()}")
+
+    def stop_summary(self) -> str:
+        """One line after a stop: which jobs finished, which were stopped, where their logs are."""
+        parts = []
+        for status in (COMPLETED, FAILED, STOPPED, NOT_STARTED):
+            nums = [n for n in self._batch if self.outcomes[n].status == status]
+            if not nums:
+                continue
+            listed = ", ".join(f"#{n}" for n in nums)
+            if status == STOPPED:
+                dirs = ", ".join(_shown(self.outcomes[n].job_dir) for n in nums)
+                parts.append(f"stopped {listed} (logs in {dirs})")
+            else:
+                parts.append(f"{status.lower().replace('_', ' ')} {listed}")
+        return "; ".join(parts) + f"; summary in {_shown(str(self.path))}"
+
+
+def _overrides(outcome: JobOutcome) -> str:
+    return " ".join(filter_overrides(outcome.overrides))
+
+
+def _json_or_repr(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _short(value: Any) -> str:
+    return _cut(value if isinstance(value, str) else json.dumps(value, default=repr))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
+
+
+def _shown(path: str) -> str:
+    """A path as the user would type it from where they launched: relative when below."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
