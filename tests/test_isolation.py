@@ -282,7 +282,13 @@ def test_ctrl_c_with_parallel_jobs_ends_with_one_line_and_no_process_left(
     output = (tmp_path / "out.txt").read_text()
     assert code == 128 + signal.SIGINT, output
     assert "Traceback" not in output
-    assert "[torchrun launcher] SIGINT: the sweep was stopped" in output
+    # one line: what finished, what was stopped and where its logs are, what never started
+    assert output.rstrip().splitlines()[-1] == (
+        "[torchrun launcher] SIGINT: the sweep was stopped: stopped #0, #1 (logs in sweep/0, sweep/1); "
+        "not started #2; summary in sweep/sweep_summary.json"
+    ), output
+    summary = json.loads((sweep_dir / "sweep_summary.json").read_text())["jobs"]
+    assert [job["status"] for job in summary] == ["STOPPED", "STOPPED", "NOT_STARTED"]
     assert stopped_in < 30
     assert_gone(descendants)
     # the third job never started

@@ -26,7 +26,7 @@ from ._job import JobPlan
 from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
-from ._report import SweepReport
+from ._report import SweepReport, shown_path
 from ._reproduce import dry_run_plan, write_rerun_script
 from ._settings import JobSettings, LauncherConfigError, resolve_settings
 from ._signals import ignored_group_signals
@@ -121,7 +121,7 @@ def launch(
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
         report.ended(plan.idx, job_return, stopped)
 
-    log.info(f"Launching {len(plans)} jobs with torchrun")
+    log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(sweep_dir))}")
     try:
         returns = run_jobs(
             server, plans, parallel_jobs, devices, request_for, _hard_limit_s, on_start, on_end

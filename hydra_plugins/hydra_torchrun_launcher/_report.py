@@ -107,7 +107,7 @@ class SweepReport:
                     duration,
                     _cut(_overrides(outcome)),
                     result,
-                    _shown(outcome.job_dir),
+                    shown_path(outcome.job_dir),
                 ]
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -118,7 +118,7 @@ class SweepReport:
         for num in self._batch:
             counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
         tally = ", ".join(f"{count} {status.lower().replace('_', ' ')}" for status, count in counts.items())
-        log.info(f"{len(self._batch)} jobs: {tally} (summary: {_shown(str(self.path))})\n{self.table()}")
+        log.info(f"{len(self._batch)} jobs: {tally} (summary: {shown_path(str(self.path))})\n{self.table()}")
 
     def stop_summary(self) -> str:
         """One line after a stop: which jobs finished, which were stopped, where their logs are."""
@@ -129,11 +129,11 @@ class SweepReport:
                 continue
             listed = ", ".join(f"#{n}" for n in nums)
             if status == STOPPED:
-                dirs = ", ".join(_shown(self.outcomes[n].job_dir) for n in nums)
+                dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
                 parts.append(f"stopped {listed} (logs in {dirs})")
             else:
                 parts.append(f"{status.lower().replace('_', ' ')} {listed}")
-        return "; ".join(parts) + f"; summary in {_shown(str(self.path))}"
+        return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
 
 
 def _overrides(outcome: JobOutcome) -> str:
@@ -156,7 +156,7 @@ def _cut(text: str) -> str:
     return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
 
 
-def _shown(path: str) -> str:
+def shown_path(path: str) -> str:
     """A path as the user would type it from where they launched: relative when below."""
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative

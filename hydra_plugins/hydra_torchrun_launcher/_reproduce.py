@@ -87,8 +87,9 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> List[str]:
     app = app_command()
     script = ["--module", app[2]] if app[1] == "-m" else [app[1]]
     overrides = [o for o in _hydra_overrides(config) if not o.lstrip("+~").startswith(_LAUNCHER_OVERRIDES)]
-    run_dir = f"hydra.run.dir={_hydra_value(str(plan.output_dir))}"
-    return command + script + overrides + list(plan.overrides) + [run_dir]
+    # Hydra's run mode in every rank, in the job's dir, with the job's number
+    run = [f"hydra.run.dir={_hydra_value(str(plan.output_dir))}", f"hydra.job.num={plan.idx}"]
+    return command + script + overrides + list(plan.overrides) + run
 
 
 def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:

@@ -48,6 +48,9 @@ _BOOTSTRAP = (
     "serve(int(sys.argv[1]))"
 )
 
+# the tracker's warning at shutdown about resources of processes that died without unlinking them
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning:multiprocessing.resource_tracker"
+
 
 # ------------------------------------------------------------------ server side
 
@@ -67,10 +70,16 @@ def serve(fd: int) -> None:
         os._exit(0)  # the launcher went away (or replaced this server) while it preloaded
     if report["cuda_initialised_by"] is not None:
         os._exit(3)  # forked ranks could not use CUDA: the launcher starts a server without it
-    # multiprocessing's resource tracker, started once here: every job process inherits it
+    # multiprocessing's resource tracker, started once here: every job process inherits it.
+    # It still unlinks what a job process killed on a second Ctrl-C could not, but without
+    # its "leaked semaphore objects" warning on the user's console after the sweep's last line.
     from multiprocessing import resource_tracker
 
-    resource_tracker.ensure_running()
+    sys.warnoptions.append(_TRACKER_QUIET)  # read by the tracker's command line, then dropped
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(_TRACKER_QUIET)
     children: Set[int] = set()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)

@@ -1,0 +1,215 @@
+"""A sweep a user can read: what the console and the sweep dir say, job by job.
+
+The app (`tests/console_app/`) is copied where a user would have it and run as a user runs
+it, from its own directory, with the short errors Hydra shows by default. The tests read
+what the user reads: the console text (stdout and stderr as one terminal shows them), the
+summary file, the job dirs, and they run the commands the launcher hands out (the job's
+`rerun.sh`, the dry run's `torchrun` line).
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+APP_DIR = Path(__file__).parent / "console_app"
+# a line of the launcher's (Hydra's logging), a rank's prefixed line, a row of the table
+HYDRA_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\]\[HYDRA\] ")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _install(tmp_path: Path) -> Path:
+    app_dir = tmp_path / "app"
+    shutil.copytree(APP_DIR, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    return app_dir
+
+
+def _run(app_dir: Path, *args: str, env: "dict[str, str] | None" = None) -> subprocess.CompletedProcess:
+    """`python app.py ARGS` with stdout and stderr in one stream, as a terminal shows them."""
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    environ.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, "app.py", *args],
+        cwd=app_dir,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
+
+
+def _summary(sweep_dir: Path) -> List[dict]:
+    return json.loads((sweep_dir / "sweep_summary.json").read_text())["jobs"]
+
+
+def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3", "fail_at=0.2")
+    out = result.stdout
+    assert result.returncode == 1, out
+    lines = out.splitlines()
+
+    # the rank's own traceback, once, with its prefix; nobody else's copy of it
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert "[default1]:Traceback (most recent call last):" in lines, out
+    assert "[default1]:ValueError: lr=0.2 diverged" in lines, out
+    assert 'raise ValueError(f"lr={cfg.lr} diverged")' in out
+    assert "api.py" not in out and "Closing process" not in out and "SIGTERM" not in out, out
+
+    # the job's line when it ends, before the next job starts: rank, cause, where its output is
+    failed = next(i for i, line in enumerate(lines) if "#1 : lr=0.2 fail_at=0.2 : FAILED in " in line)
+    assert HYDRA_LINE.match(lines[failed]) and lines[failed].split("] ", 1)[1].startswith(
+        "job 2 of 3 ended"
+    ), out
+    assert re.search(
+        r"FAILED in [\d.]+s: rank 1 \(local_rank 1, pid \d+\) exited with code 1: "
+        r"ValueError: lr=0.2 diverged$",
+        lines[failed],
+    ), lines[failed]
+    its_output = lines[failed + 1].strip()
+    assert its_output.startswith("its output: "), out
+    rank_log = Path(its_output[len("its output: ") :])
+    assert "ValueError: lr=0.2 diverged" in rank_log.read_text()
+    assert failed < next(i for i, line in enumerate(lines) if line.endswith("#2 : lr=0.3 fail_at=0.2"))
+
+    # torch's own account is kept in the job's files
+    assert "failed (exitcode: 1) local_rank: 1" in (app_dir / "sweep/1/torchrun_agent.log").read_text()
+
+    # the table, and the same in a file a script can read
+    table = lines[next(i for i, line in enumerate(lines) if "3 jobs: 2 completed, 1 failed" in line) + 1 :]
+    assert re.match(r"#\s+status\s+time\s+overrides\s+result\s+job dir$", table[0]), out
+    assert re.match(r"0\s+COMPLETED\s+[\d.]+s\s+lr=0.1 fail_at=0.2\s+1.0\s+sweep/0$", table[1]), out
+    assert re.match(
+        r"1\s+FAILED\s+[\d.]+s\s+lr=0.2 fail_at=0.2\s+rank 1 \(local_rank 1, pid \d+\) exited", table[2]
+    ), out
+    assert re.match(r"2\s+COMPLETED\s+[\d.]+s\s+lr=0.3 fail_at=0.2\s+3.0\s+sweep/2$", table[3]), out
+    jobs = _summary(app_dir / "sweep")
+    assert [(j["num"], j["overrides"], j["status"], j["return_value"]) for j in jobs] == [
+        (0, ["lr=0.1", "fail_at=0.2"], "COMPLETED", 1.0),
+        (1, ["lr=0.2", "fail_at=0.2"], "FAILED", None),
+        (2, ["lr=0.3", "fail_at=0.2"], "COMPLETED", 3.0),
+    ]
+    assert jobs[1]["error"].startswith("rank 1 (local_rank 1, pid ")
+    assert all(j["duration_s"] > 0 and Path(j["job_dir"]) == app_dir / "sweep" / str(j["num"]) for j in jobs)
+
+    # Hydra's last word: which job, then the same few lines, no stack
+    end = out[out.index("Error executing job with overrides: ['lr=0.2', 'fail_at=0.2']") :]
+    assert end.splitlines()[1].startswith("rank 1 (local_rank 1, pid "), end
+    assert "Traceback" not in end
+
+
+def test_jobs_at_once_label_every_line(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "hydra.launcher.parallel_jobs=2", "lr=0.1,0.2", "fail_at=0.2"
+    )
+    assert result.returncode == 1, result.stdout
+    lines = result.stdout.splitlines()
+    table_at = next(i for i, line in enumerate(lines) if "2 jobs: 1 completed, 1 failed" in line)
+    unlabeled = []
+    for line in lines[:table_at]:
+        if HYDRA_LINE.match(line) and re.search(r"#[01] ", line):
+            continue  # the launcher's line about a job
+        if re.match(r"^\[#[01] default[01]\]:", line) or line.startswith("\t"):
+            continue  # a rank's line; the rest of a launcher's line
+        if HYDRA_LINE.match(line) and "Launching 2 jobs" in line:
+            continue
+        unlabeled.append(line)
+    assert not unlabeled, result.stdout
+    assert "[#1 default1]:ValueError: lr=0.2 diverged" in lines, result.stdout
+
+
+def _torchrun_lines(out: str) -> List[str]:
+    return [line.split("torchrun:", 1)[1].strip() for line in out.splitlines() if "\ttorchrun:" in line]
+
+
+def test_dry_run_prints_every_jobs_plan_and_starts_nothing(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "hydra.launcher.dry_run=true", "lr=0.1,0.2", "world=1,2"
+    )
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert "Dry run: 4 jobs, 1 at a time; nothing is started" in out
+    for num, (lr, world) in enumerate([(0.1, 1), (0.1, 2), (0.2, 1), (0.2, 2)]):
+        block = out.split(f"\t#{num} : lr={lr} world={world}\n", 1)[1].split("\t#", 1)[0]
+        assert f"job dir:    {app_dir / 'sweep' / str(num)}" in block, out
+        assert f"ranks:      {world} per node x 1 node(s), forkserver, task function" in block, out
+        assert "devices:    " in block and "rendezvous: c10d at localhost:0 (a free port when" in block, out
+    # Hydra's sweeper writes the sweep's multirun.yaml before it launches; nothing else is there
+    assert [p.name for p in (app_dir / "sweep").iterdir()] == ["multirun.yaml"], "a dry run started something"
+
+    # the torchrun line is the job: run as it is printed, plain torchrun runs job #3
+    command = shlex.split(_torchrun_lines(out)[3])
+    assert command[:2] == ["env", "TAG=job3"] and command[2] == "torchrun", command
+    assert "--nproc-per-node=2" in command and command[-4:-2] == ["lr=0.2", "world=2"], command
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    torchrun = subprocess.run(
+        command, cwd=app_dir, env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=240
+    )
+    assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
+    for rank in (0, 1):
+        assert (app_dir / "sweep" / "3" / f"rank{rank}.txt").read_text() == "2 job3 0.2\n"
+
+
+def test_dry_run_names_the_bad_job_and_key(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "hydra.launcher.dry_run=true", "world=2,0")
+    assert result.returncode == 1, result.stdout
+    assert result.stdout.splitlines()[0] == (
+        "job #1 (world=0): hydra.launcher.nproc_per_node=0 is invalid: "
+        "use a positive int, one of gpu, cpu, auto, xpu or a device backend's name"
+    ), result.stdout
+    assert [p.name for p in (app_dir / "sweep").iterdir()] == ["multirun.yaml"]
+
+
+def test_rerun_script_runs_one_job_again_outside_its_sweep(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hold=0.1")
+    assert result.returncode == 0, result.stdout
+    script = app_dir / "sweep" / "1" / "rerun.sh"
+    text = script.read_text()
+    assert "# Job #1 of the sweep in sweep: lr=0.2 hold=0.1" in text
+    assert re.search(
+        r"#     env TAG=job1 torchrun --nnodes=1 --nproc-per-node=2 .* app.py lr=0.2 hold=0.1 ", text
+    )
+
+    # from anywhere, with one more override
+    rerun = subprocess.run(
+        ["bash", str(script), "hold=0"], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    (rerun_dir,) = (app_dir / "sweep" / "1").glob("rerun_*")
+    # the job's overrides, the extra one last (Hydra keeps the last value of a key)
+    assert (rerun_dir / "0" / ".hydra" / "overrides.yaml").read_text().split() == [
+        "-",
+        "lr=0.2",
+        "-",
+        "hold=0",
+    ]
+    # the same job: 2 ranks, lr 0.2; it is job 0 of its own one-job sweep
+    for rank in (0, 1):
+        assert (rerun_dir / "0" / f"rank{rank}.txt").read_text() == "2 job0 0.2\n"
+    assert "returned 2.0" in rerun.stdout + rerun.stderr
+
+
+def test_a_multirun_config_makes_a_plain_run_one_distributed_job(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    result = _run(app_dir, "--config-name", "single", "lr=0.5")
+    out = result.stdout
+    assert result.returncode == 0, out
+    (job_dir,) = (app_dir / "multirun").glob("*/*/0")
+    shown = job_dir.parent.relative_to(app_dir)
+    assert f"Launching 1 jobs with torchrun into {shown}" in out, out
+    assert re.search(r"job 1 of 1 ended: #0 : lr=0.5 : COMPLETED in [\d.]+s, returned 5.0", out), out
+    for rank in (0, 1):
+        assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"
