@@ -77,7 +77,8 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     ), lines[failed]
     its_output = lines[failed + 1].strip()
     assert its_output.startswith("its output: "), out
-    rank_log = Path(its_output[len("its output: ") :])
+    rank_log = app_dir / its_output[len("its output: ") :]  # from where the sweep was launched
+    assert its_output.startswith("its output: sweep/1/torchrun_logs/"), its_output
     assert "ValueError: lr=0.2 diverged" in rank_log.read_text()
     assert failed < next(i for i, line in enumerate(lines) if line.endswith("#2 : lr=0.3 fail_at=0.2"))
 

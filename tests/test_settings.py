@@ -26,7 +26,7 @@ ON_PURPOSE = {
     "shutdown_timeout",
     "tee",
 }
-PLUGIN_KEYS = {"parallel_jobs", "devices", "job_timeout", "launch_prefix", "cluster", "preload"}
+PLUGIN_KEYS = {"parallel_jobs", "devices", "job_timeout", "launch_prefix", "cluster", "preload", "dry_run"}
 
 
 def settings(**overrides):

@@ -84,11 +84,14 @@ def _details(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
     return ""
 
 
-def describe(error: ChildFailedError, stderr_logs: Optional[List[Path]] = None) -> JobFailedError:
+def describe(
+    error: ChildFailedError, stderr_logs: Optional[List[Path]] = None, launch_dir: Optional[str] = None
+) -> JobFailedError:
     """The root-cause rank first (what failed, how), any other failed rank, where the logs are.
 
     `stderr_logs[local_rank]` is that rank's stderr file, read when the rank left no
-    traceback (a script, a native crash).
+    traceback (a script, a native crash); it is named relative to `launch_dir`, where the
+    user launched the sweep and reads its console, when it lies below it.
     """
     root_rank, root = error.get_first_failure()
 
@@ -105,5 +108,11 @@ def describe(error: ChildFailedError, stderr_logs: Optional[List[Path]] = None) 
         lines.append(f"also failed: rank {rank} (local_rank {failure.local_rank}) {_cause(failure)}")
     log = stderr_of(root)
     if log is not None and log.is_file():
-        lines.append(f"its output: {log}")
+        lines.append(f"its output: {_from(launch_dir, log)}")
     return JobFailedError("\n".join(lines), _details(root, log))
+
+
+def _from(launch_dir: Optional[str], path: Path) -> str:
+    if launch_dir is not None and path.is_relative_to(launch_dir):
+        return str(path.relative_to(launch_dir))
+    return str(path)

@@ -247,7 +247,7 @@ def _run_agent(job: AgentJob) -> Any:
     try:
         outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
     except ChildFailedError as e:
-        failure = describe(e, _stderr_logs(job))
+        failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
         failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
     except JobDeadline:
