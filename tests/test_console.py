@@ -90,7 +90,9 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     assert re.match(r"#\s+status\s+time\s+overrides\s+result\s+job dir$", table[0]), out
     assert re.match(r"0\s+COMPLETED\s+[\d.]+s\s+lr=0.1 fail_at=0.2\s+1.0\s+sweep/0$", table[1]), out
     assert re.match(
-        r"1\s+FAILED\s+[\d.]+s\s+lr=0.2 fail_at=0.2\s+rank 1 \(local_rank 1, pid \d+\) exited", table[2]
+        r"1\s+FAILED\s+[\d.]+s\s+lr=0.2 fail_at=0.2\s+"
+        r"rank 1 exited with code 1: ValueError: lr=0.2 diverged\s+sweep/1$",
+        table[2],
     ), out
     assert re.match(r"2\s+COMPLETED\s+[\d.]+s\s+lr=0.3 fail_at=0.2\s+3.0\s+sweep/2$", table[3]), out
     jobs = _summary(app_dir / "sweep")

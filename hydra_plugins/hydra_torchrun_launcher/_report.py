@@ -10,6 +10,7 @@ scripts to read (sweepers that launch in batches add to it).
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
 COMPLETED, FAILED, STOPPED, NOT_STARTED = "COMPLETED", "FAILED", "STOPPED", "NOT_STARTED"
-_CELL_WIDTH = 48
+_CELL_WIDTH = 60
+_RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
 
 
 @dataclass
@@ -98,7 +100,8 @@ class SweepReport:
             if outcome.status == COMPLETED:
                 result = _short(outcome.return_value)
             else:
-                result = _cut((outcome.error or "").split("\n", 1)[0])
+                # the failure's first line, without the pid and local rank the progress line gave
+                result = _cut(_RANK_DETAIL.sub("", (outcome.error or "").split("\n", 1)[0]))
             duration = "" if outcome.duration_s is None else f"{outcome.duration_s:.2f}s"
             rows.append(
                 [
