@@ -12,12 +12,16 @@ import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
 import pytest
+
+from tests.conftest import as_from_a_terminal, wait_for
 
 APP_DIR = Path(__file__).parent / "console_app"
 # a line of the launcher's (Hydra's logging), a rank's prefixed line, a row of the table
@@ -216,3 +220,53 @@ def test_a_multirun_config_makes_a_plain_run_one_distributed_job(tmp_path: Path)
     assert re.search(r"job 1 of 1 ended: #0 : lr=0.5 : COMPLETED in [\d.]+s, returned 5.0", out), out
     for rank in (0, 1):
         assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_a_job_waits_for_its_other_node_ends_on_one_line(tmp_path: Path, sig: int) -> None:
+    # a two-node job whose second node never comes: its agent waits in the rendezvous
+    app_dir = _install(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "app.py",
+        "-m",
+        "hydra.sweep.dir=sweep",
+        "hydra.launcher.nnodes=2",
+        "hydra.launcher.rdzv_backend=c10d",
+        f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "lr=0.1,0.2",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    out = tmp_path / "out.txt"
+    with out.open("w") as stdout:
+        proc = subprocess.Popen(
+            command,
+            cwd=app_dir,
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=as_from_a_terminal,
+        )
+    try:
+        wait_for(lambda: (app_dir / "sweep/0/.hydra/config.yaml").exists(), 120, "job 0 to start")
+        os.killpg(proc.pid, sig)  # a terminal's Ctrl-C, or a scheduler's SIGTERM, to the group
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = out.read_text()
+    assert code == 128 + sig, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    name = signal.Signals(sig).name
+    assert output.rstrip().splitlines()[-1] == (
+        f"[torchrun launcher] {name}: the sweep was stopped: stopped #0 (logs in sweep/0); "
+        "not started #1; summary in sweep/sweep_summary.json"
+    ), output
+    (job,) = [j for j in _summary(app_dir / "sweep") if j["num"] == 0]
+    assert job["status"] == "STOPPED" and "stopped by signal " + name in job["error"], job

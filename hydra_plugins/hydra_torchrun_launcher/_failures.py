@@ -7,10 +7,13 @@ attached as the error's `__cause__` (shown with `HYDRA_FULL_ERROR=1`, kept by ca
 and by anything that formats the exception chain), not printed a second time.
 """
 
+import os
+import signal
 from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.errors import CompactHydraException
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 _STDERR_TAIL_LINES = 20
@@ -39,6 +42,37 @@ class JobFailedError(CompactHydraException, RuntimeError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class JobStopped(SignalException):
+    """A stop signal that reached a job's process, raised as torch's agent raises its own.
+
+    Raised from a signal handler, it may surface inside any library, and some rebuild an
+    exception from its message alone (OmegaConf does, resolving `env_set`): the signal
+    then comes from `last`, the one the handler saw.
+    """
+
+    last: Optional[signal.Signals] = None
+
+    def __init__(self, msg: str, sigval: Optional[signal.Signals] = None) -> None:
+        super().__init__(msg, sigval if sigval is not None else JobStopped.last)  # type: ignore[arg-type]
+
+
+def stop_requested(signum: int, frame: Any) -> None:
+    """The job process's handler of a stop signal: as torch's agent's, a SignalException.
+
+    Installed for the whole job, so a stop that comes before the agent has ranks to watch
+    (Hydra's bookkeeping, the rendezvous waiting for other nodes) ends the job the same way,
+    with its JobReturn, not with a KeyboardInterrupt's traceback.
+    """
+    JobStopped.last = signal.Signals(signum)
+    raise JobStopped(f"Process {os.getpid()} got signal: {JobStopped.last}", JobStopped.last)
+
+
+def stopped_by(error: SignalException) -> str:
+    """The name of the signal that stopped the job."""
+    sigval = error.sigval if error.sigval is not None else JobStopped.last
+    return signal.Signals(sigval).name if sigval is not None else "a stop signal"
 
 
 def _cause(failure: ProcessFailure) -> str:

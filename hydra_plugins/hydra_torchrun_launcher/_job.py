@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._console import RankConsole
-from ._failures import JobFailedError, describe
+from ._failures import JobFailedError, describe, stopped_by
 from ._launch_config import Rendezvous, build_launch_config
 from ._rank_forkserver import start_rank_forkserver
 from ._settings import JobSettings
@@ -237,7 +237,9 @@ def _run_agent(job: AgentJob) -> Any:
     """Run the agent in this process's main thread: torch's signal handling is in force.
 
     A stop signal (Ctrl-C, SIGTERM forwarded by the launcher) makes the agent stop the
-    ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM.
+    ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
+    the agent has ranks to watch (in the rendezvous), the job process's own handler raises
+    the same SignalException (`_job_process`).
     """
     conf = job.plan.settings.conf
     failure: Optional[JobFailedError] = None
@@ -249,7 +251,7 @@ def _run_agent(job: AgentJob) -> Any:
     except ChildFailedError as e:
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
-        failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
+        failure = JobFailedError(f"the job was stopped by signal {stopped_by(e)}")
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"

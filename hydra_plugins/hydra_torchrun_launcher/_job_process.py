@@ -25,10 +25,12 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing import SignalException
 
+from ._failures import JobFailedError, stop_requested, stopped_by
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
-from ._signals import group_signals
+from ._signals import group_signals, take_dispositions
 
 _FRAME = struct.Struct("=q")
 
@@ -64,9 +66,16 @@ def job_process_main(payload_r: int, result_w: int) -> None:
     request: JobRequest = cloudpickle.loads(data[_FRAME.size + head_size :])
     _take_launcher_state(request)
     try:
+        # a stop the launcher sent while this process started was held (the warm server
+        # blocks the group signals for its children): it is delivered now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals())
         job_return = _run(request)
+    except SignalException as e:  # stopped before the agent could take the signal itself
+        job_return = _stopped(request, e)
     finally:
         _flush_loggers()
+    # the job is over: a stop now has nothing left to stop, and must not cut its JobReturn
+    take_dispositions(group_signals())
     with os.fdopen(result_w, "wb") as out:
         out.write(_pickled_return(job_return))
 
@@ -75,19 +84,21 @@ def _take_launcher_state(request: JobRequest) -> None:
     os.environ.clear()
     os.environ.update(request.environ)
     os.chdir(request.cwd)
-    for sig in group_signals():
-        if sig in request.ignored_signals:
-            signal.signal(sig, signal.SIG_IGN)
-        elif sig == signal.SIGINT:
-            signal.signal(sig, signal.default_int_handler)
-        else:
-            signal.signal(sig, signal.SIG_DFL)
+    take_dispositions(request.ignored_signals, stop_requested)
     setup_globals()
     # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
     state = cloudpickle.loads(request.plan.payload.pickled_state)
     from ._worker import with_scanned_plugins
 
     Singleton.set_state(with_scanned_plugins(state))
+
+
+def _stopped(request: JobRequest, error: SignalException) -> JobReturn:
+    stopped = JobReturn(overrides=request.plan.overrides, cfg=request.config, status=JobStatus.FAILED)
+    stopped.return_value = JobFailedError(
+        f"the job was stopped by signal {stopped_by(error)} while its ranks were not running"
+    )
+    return stopped
 
 
 def _run(request: JobRequest) -> JobReturn:

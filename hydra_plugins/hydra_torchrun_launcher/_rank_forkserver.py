@@ -20,6 +20,8 @@ import socket
 from multiprocessing import connection, forkserver
 from typing import Callable
 
+from ._signals import ignored_group_signals, take_dispositions
+
 log = logging.getLogger(__name__)
 
 _CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
@@ -71,6 +73,9 @@ def start_rank_forkserver() -> Callable[[], None]:
         code = 1
         try:
             os.close(alive_w)
+            # its ranks start with the signals as the launcher's processes have them, not
+            # with the job process's stop handler
+            take_dispositions(ignored_group_signals())
             forkserver.main(listener.fileno(), alive_r, [])
             code = 0
         finally:

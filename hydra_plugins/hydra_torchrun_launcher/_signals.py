@@ -4,7 +4,7 @@ process group."""
 
 import signal
 import threading
-from typing import List
+from typing import Any, Callable, Iterable, List, Optional
 
 GROUP_SIGNALS = "SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -40,3 +40,20 @@ def not_ignored(names: str) -> str:
     if threading.current_thread() is not threading.main_thread():
         return names  # the agent installs no handler outside the main thread
     return ",".join(sig.name for sig in signals_named(names) if signal.getsignal(sig) != signal.SIG_IGN)
+
+
+def take_dispositions(ignored: Iterable[int], stop: Optional[Callable[[int, Any], None]] = None) -> None:
+    """The group signals as a Python process the launcher started would have them.
+
+    An ignored one stays ignored; the others get `stop`, or Python's own defaults
+    (Ctrl-C raises KeyboardInterrupt, the rest end the process). Every one of `ignored`:
+    `take_dispositions(group_signals())` ignores them all.
+    """
+    ignored = set(ignored)
+    for sig in group_signals():
+        if sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+        elif stop is not None:
+            signal.signal(sig, stop)
+        else:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)

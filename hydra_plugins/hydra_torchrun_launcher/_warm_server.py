@@ -103,7 +103,12 @@ def serve(fd: int) -> None:
             if not message:  # the launcher is gone
                 os._exit(0)
             payload_r, result_w, *stdio = fds
+            # the child starts with the group signals blocked, not ignored: a stop sent before
+            # it has taken the launcher's handlers is held for it (`_job_process`)
+            signal.pthread_sigmask(signal.SIG_BLOCK, group_signals())
             pid = os.fork()
+            if pid != 0:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals())
             if pid == 0:
                 selector.close()
                 sock.close()
