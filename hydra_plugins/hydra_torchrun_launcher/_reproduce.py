@@ -9,6 +9,7 @@ prints. Values reach the script only through `shlex.quote`: nothing from a confi
 run as shell code.
 """
 
+import functools
 import os
 import re
 import shlex
@@ -151,7 +152,8 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + interpolation + "'"
 
 
-def _torchrun_flags() -> "Optional[set[str]]":
+@functools.lru_cache(maxsize=None)
+def _torchrun_flags() -> "Optional[frozenset[str]]":
     """The long options of the installed torchrun (names change between torch releases).
 
     None (every flag shown) where argparse's list of actions, a private name, is missing.
@@ -161,7 +163,7 @@ def _torchrun_flags() -> "Optional[set[str]]":
     actions = getattr(get_args_parser(), "_actions", None)
     if actions is None:
         return None
-    return {option for action in actions for option in action.option_strings}
+    return frozenset(option for action in actions for option in action.option_strings)
 
 
 def dry_run_plan(
