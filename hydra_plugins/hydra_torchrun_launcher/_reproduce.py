@@ -152,7 +152,7 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + interpolation + "'"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchrun_flags() -> "Optional[frozenset[str]]":
     """The long options of the installed torchrun (names change between torch releases).
 

@@ -249,6 +249,10 @@ class WarmServer:
             self._report = _recv_frame(self._sock)
         return self._report
 
+    def reported(self) -> bool:
+        """Whether `report` has been read already (its warnings logged)."""
+        return self._report is not None
+
     def alive(self) -> bool:
         return self._process.poll() is None
 
@@ -325,6 +329,8 @@ def preload_modules(value: Any) -> "tuple[str, ...]":
 
 _server: Optional[WarmServer] = None
 _server_lock = threading.Lock()
+# modules found to initialise CUDA when imported: never preloaded again by this launcher
+_initialise_cuda: Set[str] = set()
 
 
 def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
@@ -336,6 +342,7 @@ def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
     is left out (the server is started again without it), also with a warning.
     """
     global _server
+    preload = tuple(name for name in preload if name not in _initialise_cuda)
     with _server_lock:
         key = (tuple(sys.path), preload)
         if _server is not None and (_server.key != key or not _server.alive()):
@@ -353,11 +360,13 @@ def checked_warm_server(preload: Tuple[str, ...]) -> WarmServer:
     log = logging.getLogger(__name__)
     while True:
         server = warm_server(preload)
+        first_look = not server.reported()
         report = server.report()
-        for name, error in report["skipped"]:
-            log.warning(
-                f"hydra.launcher.preload: {name} was not preloaded ({error}); ranks import it themselves"
-            )
+        if first_look:  # once per server, not once per launch of a sweeper's batches
+            for name, error in report["skipped"]:
+                log.warning(
+                    f"hydra.launcher.preload: {name} was not preloaded ({error}); ranks import it themselves"
+                )
         culprit = report["cuda_initialised_by"]
         if culprit is None:
             return server
@@ -365,4 +374,4 @@ def checked_warm_server(preload: Tuple[str, ...]) -> WarmServer:
             f"hydra.launcher.preload: importing {culprit} initialises CUDA, which forked ranks could not "
             "use; it is not preloaded"
         )
-        preload = tuple(name for name in preload if name != culprit)
+        _initialise_cuda.add(culprit)
