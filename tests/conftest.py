@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterable, List, Sequence
 import psutil
 import pytest
 
+from tests import slurm_cluster
+
 # the launcher's warm server and multiprocessing's helpers live as long as the process
 # that started them (here: pytest)
 _LONG_LIVED_HELPERS = (
@@ -22,11 +24,15 @@ EXIT_WAIT_S = 15.0
 
 
 def _is_long_lived_helper(proc: psutil.Process) -> bool:
+    if proc.pid in slurm_cluster.RUNNING_DAEMONS:
+        return True  # a SLURM test cluster's daemon; its jobs' processes are checked
     try:
         cmdline = " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
         return False
-    return any(name in cmdline for name in _LONG_LIVED_HELPERS)
+    return any(name in cmdline for name in _LONG_LIVED_HELPERS) or cmdline.startswith(
+        slurm_cluster.DAEMON_HELPERS
+    )
 
 
 def _rank_descendants() -> List[psutil.Process]:

@@ -28,6 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from ._console import RankConsole
 from ._failures import JobFailedError, describe, stopped_by
 from ._launch_config import Rendezvous, build_launch_config
+from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
 from ._settings import JobSettings
 from ._torch_adjustments import adjust_torch_for_this_job
@@ -91,6 +92,8 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             path = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
     adjust_torch_for_this_job(conf.shutdown_timeout, single_node=plan.settings.max_nodes == 1)
+    if plan.settings.max_nodes > 1:
+        keep_rendezvous_handlers()
     _rank_exits_to_file(plan.output_dir / AGENT_LOG)
     if plan.console_label:
         _label_logged_lines(plan.console_label)
@@ -248,7 +251,9 @@ def _run_agent(job: AgentJob) -> Any:
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
         outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
+        _leave_together(job.plan)
     except ChildFailedError as e:
+        _leave_together(job.plan)
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
         failure = JobFailedError(f"the job was stopped by signal {stopped_by(e)}")
@@ -262,6 +267,13 @@ def _run_agent(job: AgentJob) -> Any:
         return _node_return_value(job, outputs)
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
+
+
+def _leave_together(plan: JobPlan) -> None:
+    """A multi-node job's nodes let its rendezvous store go in order (`_node_exit`)."""
+    settings = plan.settings
+    nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else 0
+    leave_together(plan.rendezvous.backend, plan.rendezvous.endpoint, plan.rendezvous.run_id, nodes)
 
 
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:

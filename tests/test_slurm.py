@@ -1,0 +1,137 @@
+"""Sweeps on a real SLURM cluster: two compute nodes on this machine (`slurm_cluster`).
+
+A batch job starts one launcher per node with `srun`, as the README's recipe does; the
+launchers take nnodes, the node rank and the rendezvous from SLURM and run every sweep
+job across both nodes. The tests read what a user reads: the job's output file, the
+nodes' job dirs, what SLURM says of the job. They skip, saying why, where a cluster
+cannot run (not root, SLURM not installed); CI installs SLURM and runs them.
+"""
+
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterator
+
+import pytest
+
+from tests.slurm_cluster import SlurmCluster, unavailable
+
+APP_DIR = Path(__file__).parent / "multinode_apps"
+JOB_TIMEOUT_S = 180
+
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with SlurmCluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+def _install(tmp_path: Path) -> Path:
+    app_dir = tmp_path / "app"
+    shutil.copytree(APP_DIR, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    return app_dir
+
+
+def _batch(cluster: SlurmCluster, app_dir: Path, script: str, *options: str) -> Dict[str, str]:
+    """Submit `script` with `options`, wait until SLURM ends it; the job's final record."""
+    (app_dir / "job.sh").write_text("#!/bin/bash\n" + script)
+    submitted = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={app_dir}",
+            f"--output={app_dir}/slurm-%j.out",
+            *options,
+            "job.sh",
+        ],
+        cwd=app_dir,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        shown = cluster.run(["scontrol", "show", "job", "-o", job_id]).stdout
+        record = dict(re.findall(r"(\w+)=(\S*)", shown))
+        if record.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            record["output"] = (app_dir / f"slurm-{job_id}.out").read_text()
+            return record
+        assert time.monotonic() < deadline, f"SLURM job {job_id} still {record.get('JobState')}"
+        time.sleep(0.2)
+
+
+def _sweep(*overrides: str) -> str:
+    command = [
+        sys.executable,
+        "node_app.py",
+        "--multirun",
+        "hydra/launcher=torchrun",
+        "hydra.launcher.nproc_per_node=2",
+        # one sweep dir per node: two hosts would have two disks
+        "hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}/node${oc.env:SLURM_NODEID}",
+        *overrides,
+    ]
+    return " ".join(f"'{part}'" for part in command)
+
+
+def test_a_batch_job_sweeps_across_two_nodes_and_ends_cleanly(cluster: SlurmCluster, tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    job = _batch(cluster, app_dir, f"srun {_sweep('+x=0,1,2')}\n", "--nodes=2", "--ntasks-per-node=1")
+    output = job["output"]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", output
+    for node in (0, 1):
+        assert f"this is node {node} (node{node + 1}); using nnodes=2, node_rank={node}" in output, output
+        summary = json.loads(
+            (app_dir / "multirun" / job["JobId"] / f"node{node}/sweep_summary.json").read_text()
+        )
+        assert [j["status"] for j in summary["jobs"]] == ["COMPLETED"] * 3, summary
+    for num in range(3):
+        ranks = {}
+        for node in (0, 1):
+            for path in (app_dir / "multirun" / job["JobId"] / f"node{node}" / str(num) / "ranks").glob(
+                "*.json"
+            ):
+                ranks[path.name] = json.loads(path.read_text())
+        # one world of 4 ranks per job, 2 on each node, every rank with this job's x
+        assert sorted(ranks) == [f"rank{r}.json" for r in range(4)], (num, sorted(ranks))
+        assert {r["env"]["WORLD_SIZE"] for r in ranks.values()} == {"4"}
+        assert {r["env"]["GROUP_RANK"] for r in ranks.values()} == {"0", "1"}
+        assert all(r["xs"] == [num] * 4 and r["allreduce"] == 10.0 for r in ranks.values())
+    # every job ends on both nodes without torch's rendezvous errors (the store's host leaves last)
+    for noise in (
+        "frame #",
+        "Traceback",
+        "Error waiting on exit barrier",
+        "failed to shutdown the rendezvous",
+    ):
+        assert noise not in output, output
+
+
+def test_more_than_one_task_per_node_is_refused_with_one_line(cluster: SlurmCluster, tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    job = _batch(cluster, app_dir, f"srun {_sweep('+x=0')}\n", "--nodes=2", "--ntasks-per-node=2")
+    output = job["output"]
+    assert job["JobState"] == "FAILED", output
+    assert "this srun step runs more than one task per node" in output, output
+    assert "srun --ntasks-per-node=1" in output and "Traceback" not in output, output
+    assert not list((app_dir / "multirun").glob("*/*/0/ranks")), "a rank started"
+
+
+def test_a_launcher_in_an_allocation_without_a_step_runs_on_its_own_node(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # the batch script itself (as in an salloc shell): SLURM_JOB_* set, no srun step
+    app_dir = _install(tmp_path)
+    job = _batch(cluster, app_dir, f"{_sweep('+x=0')}\n", "--nodes=2", "--ntasks-per-node=1")
+    output = job["output"]
+    assert job["JobState"] == "COMPLETED", output
+    ranks = list((app_dir / "multirun").glob("*/*/0/ranks/rank*.json"))
+    assert sorted(p.name for p in ranks) == ["rank0.json", "rank1.json"], output
+    assert {json.loads(p.read_text())["env"]["WORLD_SIZE"] for p in ranks} == {"2"}
