@@ -9,12 +9,15 @@ and by anything that formats the exception chain), not printed a second time.
 
 import os
 import signal
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ._signals import group_signals
 
 _STDERR_TAIL_LINES = 20
 # what torch puts in ProcessFailure.error_file when the rank left none
@@ -47,26 +50,52 @@ class JobFailedError(CompactHydraException, RuntimeError):
 class JobStopped(SignalException):
     """A stop signal that reached a job's process, raised as torch's agent raises its own.
 
-    Raised from a signal handler, it may surface inside any library, and some rebuild an
-    exception from its message alone (OmegaConf does, resolving `env_set`): the signal
-    then comes from `last`, the one the handler saw.
+    Raised only while torch's agent runs (`stops_interrupt`); elsewhere the job process
+    records the signal and acts on it at the next safe point, because an exception raised
+    at an arbitrary instruction can leave a lock of `logging` or of a fork handler held.
+    Some libraries rebuild an exception from its message alone (OmegaConf does): the
+    signal then comes from `last`, the one the handler saw.
     """
 
     last: Optional[signal.Signals] = None
+    interrupting: bool = False
 
     def __init__(self, msg: str, sigval: Optional[signal.Signals] = None) -> None:
         super().__init__(msg, sigval if sigval is not None else JobStopped.last)  # type: ignore[arg-type]
 
 
-def stop_requested(signum: int, frame: Any) -> None:
-    """The job process's handler of a stop signal: as torch's agent's, a SignalException.
+def _raise_stop() -> None:
+    raise JobStopped(f"Process {os.getpid()} got signal: {JobStopped.last}", JobStopped.last)
 
-    Installed for the whole job, so a stop that comes before the agent has ranks to watch
-    (Hydra's bookkeeping, the rendezvous waiting for other nodes) ends the job the same way,
-    with its JobReturn, not with a KeyboardInterrupt's traceback.
+
+def stop_requested(signum: int, frame: Any) -> None:
+    """The job process's handler of a stop signal, installed for the whole job.
+
+    It records the signal; while torch's agent runs it also raises, as the agent's own
+    handler does, so a stop that comes before the agent has ranks to watch (its rendezvous
+    waiting for other nodes) ends the job the same way, with its JobReturn.
     """
     JobStopped.last = signal.Signals(signum)
-    raise JobStopped(f"Process {os.getpid()} got signal: {JobStopped.last}", JobStopped.last)
+    if JobStopped.interrupting:
+        _raise_stop()
+
+
+@contextmanager
+def stops_interrupt() -> Iterator[None]:
+    """Around torch's agent: a stop raises there, and one that came before raises at once.
+
+    Afterwards the job process's handler is back where the agent put its own.
+    """
+    JobStopped.interrupting = True
+    try:
+        if JobStopped.last is not None:
+            _raise_stop()
+        yield
+    finally:
+        JobStopped.interrupting = False
+        for sig in group_signals():
+            if signal.getsignal(sig) not in (signal.SIG_IGN, stop_requested):
+                signal.signal(sig, stop_requested)
 
 
 def stopped_by(error: SignalException) -> str:

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._console import RankConsole
-from ._failures import JobFailedError, describe, stopped_by
+from ._failures import JobFailedError, describe, stopped_by, stops_interrupt
 from ._launch_config import Rendezvous, build_launch_config
 from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
@@ -242,7 +242,8 @@ def _run_agent(job: AgentJob) -> Any:
     A stop signal (Ctrl-C, SIGTERM forwarded by the launcher) makes the agent stop the
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
-    the same SignalException (`_job_process`).
+    the same SignalException; a stop that came earlier stops the job before the agent starts
+    (`_failures.stops_interrupt`).
     """
     conf = job.plan.settings.conf
     failure: Optional[JobFailedError] = None
@@ -250,8 +251,9 @@ def _run_agent(job: AgentJob) -> Any:
         signal.signal(signal.SIGALRM, _raise_deadline)
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
-        outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
-        _leave_together(job.plan)
+        with stops_interrupt():
+            outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
+            _leave_together(job.plan)
     except ChildFailedError as e:
         _leave_together(job.plan)
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)

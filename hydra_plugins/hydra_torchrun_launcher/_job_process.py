@@ -25,9 +25,8 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
-from torch.distributed.elastic.multiprocessing import SignalException
 
-from ._failures import JobFailedError, stop_requested, stopped_by
+from ._failures import stop_requested
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
 from ._signals import group_signals, take_dispositions
@@ -70,8 +69,6 @@ def job_process_main(payload_r: int, result_w: int) -> None:
         # blocks the group signals for its children): it is delivered now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals())
         job_return = _run(request)
-    except SignalException as e:  # stopped before the agent could take the signal itself
-        job_return = _stopped(request, e)
     finally:
         _flush_loggers()
     # the job is over: a stop now has nothing left to stop, and must not cut its JobReturn
@@ -91,14 +88,6 @@ def _take_launcher_state(request: JobRequest) -> None:
     from ._worker import with_scanned_plugins
 
     Singleton.set_state(with_scanned_plugins(state))
-
-
-def _stopped(request: JobRequest, error: SignalException) -> JobReturn:
-    stopped = JobReturn(overrides=request.plan.overrides, cfg=request.config, status=JobStatus.FAILED)
-    stopped.return_value = JobFailedError(
-        f"the job was stopped by signal {stopped_by(error)} while its ranks were not running"
-    )
-    return stopped
 
 
 def _run(request: JobRequest) -> JobReturn:
