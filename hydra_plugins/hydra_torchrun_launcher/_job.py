@@ -255,7 +255,7 @@ def _run_agent(job: AgentJob) -> Any:
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
             _leave_together(job.plan)
     except ChildFailedError as e:
-        _leave_together(job.plan)
+        # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
         failure = JobFailedError(f"the job was stopped by signal {stopped_by(e)}")

@@ -11,7 +11,9 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   checkpoint-on-SIGTERM code) keeps the job alive that long. Here the grace period, a
   documented argument, defaults to the job's `shutdown_timeout`, and the survivors get
   SIGTERM as soon as the failure is seen: a survivor that ignores SIGTERM is killed at
-  most 2 x shutdown_timeout after the failure.
+  most 2 x shutdown_timeout after the failure. torch then names the first dead rank it
+  finds among the ones it still watches (`sentinels`, a public attribute): here only the
+  failed ones, so a survivor ended by that SIGTERM is never taken for the cause.
 - `dynamic_rendezvous.get_method_name` (public in its module): names the calling method for
   rendezvous event records, through two `inspect.stack()` calls that read the source of
   every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
@@ -50,11 +52,15 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
 
     def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
         if grace_period is None:
-            if any(process.exitcode not in (None, 0) for process in self.processes):
+            failed = {s: i for s, i in self.sentinels.items() if self.processes[i].exitcode not in (None, 0)}
+            if failed:
                 # a rank failed: the survivors get the graceful signal now, not after a grace period
                 for process in self.processes:
                     if process.is_alive():
                         process.terminate()
+                # and the rank torch names is the one that failed, never a survivor that this
+                # SIGTERM ended before torch looked (torch names the first dead one it finds)
+                self.sentinels = failed
             grace_period = seconds
         return original(self, timeout, grace_period)
 
