@@ -10,6 +10,7 @@ cannot run (not root, SLURM not installed); CI installs SLURM and runs them.
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def _sweep(*overrides: str) -> str:
         "hydra.sweep.dir=multirun/${oc.env:SLURM_JOB_ID}/node${oc.env:SLURM_NODEID}",
         *overrides,
     ]
-    return " ".join(f"'{part}'" for part in command)
+    return shlex.join(command)
 
 
 @pytest.fixture

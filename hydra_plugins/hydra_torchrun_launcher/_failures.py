@@ -17,6 +17,7 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ._report import shown_path
 from ._signals import group_signals
 
 _STDERR_TAIL_LINES = 20
@@ -47,25 +48,21 @@ class JobFailedError(CompactHydraException, RuntimeError):
         return self.message
 
 
-class JobStopped(SignalException):
-    """A stop signal that reached a job's process, raised as torch's agent raises its own.
+class _Stop:
+    """The stop signal this job's process received, and whether it interrupts what runs.
 
-    Raised only while torch's agent runs (`stops_interrupt`); elsewhere the job process
-    records the signal and acts on it at the next safe point, because an exception raised
-    at an arbitrary instruction can leave a lock of `logging` or of a fork handler held.
-    Some libraries rebuild an exception from its message alone (OmegaConf does): the
-    signal then comes from `last`, the one the handler saw.
+    It interrupts only while torch's agent runs (`stops_interrupt`), as the agent's own
+    handler does; elsewhere the signal is recorded and acted on at the next safe point,
+    because an exception raised at an arbitrary instruction can leave a lock of `logging`
+    or of a fork handler held.
     """
 
-    last: Optional[signal.Signals] = None
-    interrupting: bool = False
-
-    def __init__(self, msg: str, sigval: Optional[signal.Signals] = None) -> None:
-        super().__init__(msg, sigval if sigval is not None else JobStopped.last)  # type: ignore[arg-type]
+    received: Optional[signal.Signals] = None
+    interrupting = False
 
 
 def _raise_stop() -> None:
-    raise JobStopped(f"Process {os.getpid()} got signal: {JobStopped.last}", JobStopped.last)
+    raise SignalException(f"Process {os.getpid()} got signal: {_Stop.received}", sigval=_Stop.received)
 
 
 def stop_requested(signum: int, frame: Any) -> None:
@@ -75,8 +72,8 @@ def stop_requested(signum: int, frame: Any) -> None:
     handler does, so a stop that comes before the agent has ranks to watch (its rendezvous
     waiting for other nodes) ends the job the same way, with its JobReturn.
     """
-    JobStopped.last = signal.Signals(signum)
-    if JobStopped.interrupting:
+    _Stop.received = signal.Signals(signum)
+    if _Stop.interrupting:
         _raise_stop()
 
 
@@ -86,22 +83,16 @@ def stops_interrupt() -> Iterator[None]:
 
     Afterwards the job process's handler is back where the agent put its own.
     """
-    JobStopped.interrupting = True
+    _Stop.interrupting = True
     try:
-        if JobStopped.last is not None:
+        if _Stop.received is not None:
             _raise_stop()
         yield
     finally:
-        JobStopped.interrupting = False
+        _Stop.interrupting = False
         for sig in group_signals():
             if signal.getsignal(sig) not in (signal.SIG_IGN, stop_requested):
                 signal.signal(sig, stop_requested)
-
-
-def stopped_by(error: SignalException) -> str:
-    """The name of the signal that stopped the job."""
-    sigval = error.sigval if error.sigval is not None else JobStopped.last
-    return signal.Signals(sigval).name if sigval is not None else "a stop signal"
 
 
 def _cause(failure: ProcessFailure) -> str:
@@ -171,11 +162,5 @@ def describe(
         lines.append(f"also failed: rank {rank} (local_rank {failure.local_rank}) {_cause(failure)}")
     log = stderr_of(root)
     if log is not None and log.is_file():
-        lines.append(f"its output: {_from(launch_dir, log)}")
+        lines.append(f"its output: {shown_path(str(log), launch_dir)}")
     return JobFailedError("\n".join(lines), _details(root, log))
-
-
-def _from(launch_dir: Optional[str], path: Path) -> str:
-    if launch_dir is not None and path.is_relative_to(launch_dir):
-        return str(path.relative_to(launch_dir))
-    return str(path)

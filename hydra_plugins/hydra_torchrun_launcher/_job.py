@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._console import RankConsole
-from ._failures import JobFailedError, describe, stopped_by, stops_interrupt
+from ._failures import JobFailedError, describe, stops_interrupt
 from ._launch_config import Rendezvous, build_launch_config
 from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
@@ -258,7 +258,7 @@ def _run_agent(job: AgentJob) -> Any:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
-        failure = JobFailedError(f"the job was stopped by signal {stopped_by(e)}")
+        failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"

@@ -71,8 +71,6 @@ def job_process_main(payload_r: int, result_w: int) -> None:
         job_return = _run(request)
     finally:
         _flush_loggers()
-    # the job is over: a stop now has nothing left to stop, and must not cut its JobReturn
-    take_dispositions(group_signals())
     with os.fdopen(result_w, "wb") as out:
         out.write(_pickled_return(job_return))
 

@@ -120,7 +120,7 @@ class SweepReport:
         counts: Dict[str, int] = {}
         for num in self._batch:
             counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
-        tally = ", ".join(f"{count} {status.lower().replace('_', ' ')}" for status, count in counts.items())
+        tally = ", ".join(f"{count} {_word(status)}" for status, count in counts.items())
         log.info(f"{len(self._batch)} jobs: {tally} (summary: {shown_path(str(self.path))})\n{self.table()}")
 
     def stop_summary(self) -> str:
@@ -135,8 +135,13 @@ class SweepReport:
                 dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
                 parts.append(f"stopped {listed} (logs in {dirs})")
             else:
-                parts.append(f"{status.lower().replace('_', ' ')} {listed}")
+                parts.append(f"{_word(status)} {listed}")
         return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
+
+
+def _word(status: str) -> str:
+    """NOT_STARTED -> "not started", as the console's sentences say it."""
+    return status.lower().replace("_", " ")
 
 
 def _overrides(outcome: JobOutcome) -> str:
@@ -159,7 +164,8 @@ def _cut(text: str) -> str:
     return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
 
 
-def shown_path(path: str) -> str:
-    """A path as the user would type it from where they launched: relative when below."""
-    relative = os.path.relpath(path)
+def shown_path(path: str, start: Optional[str] = None) -> str:
+    """A path as the user types it from where they launched (`start`, else this process's
+    working dir): relative when below it, else as it is."""
+    relative = os.path.relpath(path, start)
     return path if relative.startswith("..") else relative

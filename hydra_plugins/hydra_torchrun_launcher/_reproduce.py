@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import shlex
+import stat
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -87,7 +88,7 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> List[str]:
         return command + [conf.training_script, *conf.training_script_args]
     app = app_command()
     script = ["--module", app[2]] if app[1] == "-m" else [app[1]]
-    overrides = [o for o in _hydra_overrides(config) if not o.lstrip("+~").startswith(_LAUNCHER_OVERRIDES)]
+    overrides = _without(_hydra_overrides(config), _LAUNCHER_OVERRIDES)
     # Hydra's run mode in every rank, in the job's dir, with the job's number
     run = [f"hydra.run.dir={_hydra_value(str(plan.output_dir))}", f"hydra.job.num={plan.idx}"]
     return command + script + overrides + list(plan.overrides) + run
@@ -98,17 +99,11 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
     overrides = _hydra_overrides(config)
     if OmegaConf.select(config, "hydra.sweeper._target_") != _BASIC_SWEEPER:
         # one job, whatever the sweep's sweeper would have made of these overrides
-        overrides = [
-            o for o in overrides if not o.lstrip("+~").startswith(("hydra/sweeper", "hydra.sweeper."))
-        ]
-        overrides.append("hydra/sweeper=basic")
+        overrides = _without(overrides, ("hydra/sweeper", "hydra.sweeper.")) + ["hydra/sweeper=basic"]
     if devices is not None:
         overrides.append(f"hydra.launcher.devices=[{','.join(devices)}]")
     rerun_dir = _hydra_value(os.path.join(str(plan.output_dir), "rerun_"), "${now:%Y-%m-%d_%H-%M-%S}")
     command = [*app_command(), "--multirun", *overrides, *plan.overrides, f"hydra.sweep.dir={rerun_dir}"]
-    env = job_environment(plan, devices)
-    torchrun = torchrun_command(plan, config)
-    plain = " ".join(["env", *(shlex.quote(f"{k}={v}") for k, v in env.items())] if env else [])
     lines = [
         "#!/usr/bin/env bash",
         f"# Job #{plan.idx} of the sweep in {config.hydra.sweep.dir}: {_listed(plan.overrides)}",
@@ -117,7 +112,7 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
         f"#     bash {shlex.quote(os.path.join(str(plan.output_dir), RERUN_SCRIPT))} [override ...]",
         "#",
         "# The same job under plain torchrun (every rank runs the app in Hydra's run mode):",
-        f"#     {plain + ' ' if plain else ''}{shlex.join(torchrun)}",
+        f"#     {plain_torchrun_line(plan, config, devices)}",
         "set -euo pipefail",
         f"cd {shlex.quote(plan.launch_dir)}",
         f'exec {shlex.join(command)} "$@"',
@@ -126,18 +121,27 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
     return "\n".join(lines)
 
 
+def plain_torchrun_line(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:
+    """The job as a shell line of plain torchrun, the environment the job adds in front."""
+    env = [f"{k}={v}" for k, v in job_environment(plan, devices).items()]
+    return shlex.join((["env", *env] if env else []) + torchrun_command(plan, config))
+
+
 def write_rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> None:
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     path = plan.output_dir / RERUN_SCRIPT
     path.write_text(rerun_script(plan, config, devices))
-    path.chmod(0o755)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
 def _hydra_overrides(config: DictConfig) -> List[str]:
     """The sweep command's Hydra overrides that shape the job (not the sweep's dir or mode)."""
-    return [
-        str(o) for o in config.hydra.overrides.hydra if not str(o).lstrip("+~").startswith(_SWEEP_OVERRIDES)
-    ]
+    return _without([str(o) for o in config.hydra.overrides.hydra], _SWEEP_OVERRIDES)
+
+
+def _without(overrides: List[str], keys: "tuple[str, ...]") -> List[str]:
+    """`overrides` but those of keys starting with `keys` (`+key=`, `~key` included)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith(keys)]
 
 
 def _listed(overrides: List[str]) -> str:
@@ -184,14 +188,12 @@ def dry_run_plan(
             job_devices, shown = None, f"{plan.nproc} of {','.join(devices)}, shared out as jobs start"
         runs = f"script {conf.training_script}" if conf.training_script is not None else "task function"
         port = " (a free port when the job starts)" if rdzv.endpoint.endswith(":0") else ""
-        env = job_environment(plan, job_devices)
-        plain = "".join(f"{shlex.quote(f'{k}={v}')} " for k, v in env.items())
         lines += [
             f"\t#{plan.idx} : {_listed(plan.overrides)}",
             f"\t\tjob dir:    {plan.output_dir}",
             f"\t\tranks:      {plan.nproc} per node x {conf.nnodes} node(s), {conf.start_method}, {runs}",
             f"\t\tdevices:    {shown}",
             f"\t\trendezvous: {rdzv.backend} at {rdzv.endpoint}{port}, id {rdzv.run_id}",
-            f"\t\ttorchrun:   {'env ' + plain if plain else ''}{shlex.join(torchrun_command(plan, config))}",
+            f"\t\ttorchrun:   {plain_torchrun_line(plan, config, job_devices)}",
         ]
     return "\n".join(lines)
