@@ -18,17 +18,20 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ._cluster import resolve_cluster
 from ._job import JobPlan
+from ._job_preempt import JobPreempted
 from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
 from ._pool import SweepStopped, react_to_stop, run_jobs
-from ._report import SweepReport, shown_path
+from ._preempt import StopNotice, end_preempted
+from ._report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
 from ._reproduce import dry_run_plan, write_rerun_script
-from ._settings import JobSettings, LauncherConfigError, resolve_settings
+from ._resume import read_record, resumption, save_return
+from ._settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
 from ._signals import ignored_group_signals
 from ._warm_server import checked_warm_server
 from ._worker import RankPayload
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 _STOP_MARGIN_S = 30.0
 
 # keys that shape the whole sweep rather than one job: every job must agree on them
-_SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run")
+_SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run", "stop_signal", "requeue", "resume")
 
 
 def launch(
@@ -90,8 +93,14 @@ def launch(
     if plans[0].settings.conf.dry_run:
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
+    conf = plans[0].settings.conf
+    report = _report_of(launcher, sweep_dir, conf.resume is not False)
+    resumed = resumption(conf.resume, sweep_dir, plans, report.outcomes)
+    for plan in plans:
+        plan.resumed = plan.idx in resumed.preempted
+    to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    server = checked_warm_server(preload)
+    server = checked_warm_server(preload) if to_run else None
     hydra_context = launcher.hydra_context
 
     def request_for(plan: JobPlan, job_devices: Optional[List[str]]) -> bytes:
@@ -109,8 +118,8 @@ def launch(
             )
         )
 
-    report = _report_of(launcher, sweep_dir)
-    report.launching(plans)
+    report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
+    notice = StopNotice(stop_signal_of(conf))
 
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
@@ -119,26 +128,64 @@ def launch(
         report.started(plan.idx)
 
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
-        report.ended(plan.idx, job_return, stopped)
+        status = _status_of(job_return, stopped)
+        if status == COMPLETED:
+            save_return(sweep_dir, plan.idx, job_return)
+        elif status == PREEMPTED:
+            notice.received = True  # on a node that got no signal, its job tells it
+        report.ended(plan.idx, job_return, status)
 
     log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(sweep_dir))}")
-    try:
-        returns = run_jobs(
-            server, plans, parallel_jobs, devices, request_for, _hard_limit_s, on_start, on_end
-        )
-    except SweepStopped as stopped:
-        report.log_table()
-        react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
-        raise
-    if len(plans) > 1:
-        report.log_table()
-    return returns
+    with notice.listening():
+        try:
+            ran: Dict[int, JobReturn] = {}
+            if server is not None and not notice.received:
+                ran = run_jobs(
+                    server,
+                    to_run,
+                    parallel_jobs,
+                    devices,
+                    request_for,
+                    _hard_limit_s,
+                    on_start,
+                    on_end,
+                    notice,
+                )
+        except SweepStopped as stopped:
+            report.log_table()
+            react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
+            raise
+        if len(plans) > 1 or notice.received:
+            report.log_table()
+        if notice.received:
+            assert notice.signum is not None
+            end_preempted(notice.signum, report.stop_summary(), _resume_hint(), conf.requeue, os.environ)
+    returns = {**resumed.completed, **ran}
+    return [returns[plan.idx] for plan in plans]
 
 
-def _report_of(launcher: "TorchrunLauncher", sweep_dir: Path) -> SweepReport:
-    """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file."""
+def _status_of(job_return: JobReturn, stopped: bool) -> str:
+    """The job's status in the sweep's record."""
+    if job_return.status == JobStatus.COMPLETED:
+        return COMPLETED
+    if isinstance(job_return._return_value, JobPreempted):
+        return PREEMPTED
+    return STOPPED if stopped else FAILED
+
+
+def _resume_hint() -> str:
+    """How the sweep resumes: the same command, in the same sweep dir."""
+    return (
+        "Run the same command again (same hydra.sweep.dir, hydra.launcher.resume=auto) to resume it: "
+        "completed jobs are not run again, preempted ones continue in their job dir"
+    )
+
+
+def _report_of(launcher: "TorchrunLauncher", sweep_dir: Path, resuming: bool) -> SweepReport:
+    """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file;
+    when it may resume, it starts from the record the sweep dir holds."""
     if launcher.report is None or launcher.report.path.parent != sweep_dir:
-        launcher.report = SweepReport(sweep_dir)
+        launcher.report = SweepReport(sweep_dir, read_record(sweep_dir) if resuming else None)
     return launcher.report
 
 
@@ -224,6 +271,7 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             job_num=idx,
             overrides=overrides,
             failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
+            stop_signal=stop_signal_of(settings.conf),
         ),
         launch_dir=os.getcwd(),
         env_set={

@@ -81,8 +81,9 @@ def stop_requested(signum: int, frame: Any) -> None:
 def stops_interrupt() -> Iterator[None]:
     """Around torch's agent: a stop raises there, and one that came before raises at once.
 
-    Afterwards the job process's handler is back where the agent put its own.
+    Afterwards the job process's handlers are back where the agent put its own.
     """
+    saved = {sig: signal.getsignal(sig) for sig in group_signals()}
     _Stop.interrupting = True
     try:
         if _Stop.received is not None:
@@ -90,9 +91,9 @@ def stops_interrupt() -> Iterator[None]:
         yield
     finally:
         _Stop.interrupting = False
-        for sig in group_signals():
-            if signal.getsignal(sig) not in (signal.SIG_IGN, stop_requested):
-                signal.signal(sig, stop_requested)
+        for sig, handler in saved.items():
+            if signal.getsignal(sig) is not handler and handler is not None:
+                signal.signal(sig, handler)
 
 
 def _cause(failure: ProcessFailure) -> str:

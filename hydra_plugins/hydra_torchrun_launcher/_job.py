@@ -25,12 +25,14 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from . import _job_preempt
 from ._console import RankConsole
 from ._failures import JobFailedError, describe, stops_interrupt
 from ._launch_config import Rendezvous, build_launch_config
 from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
-from ._settings import JobSettings
+from ._settings import JobSettings, stop_signal_of
+from ._stop_files import RESUMED_ENV, STOP_FILE_ENV
 from ._torch_adjustments import adjust_torch_for_this_job
 from ._worker import RankPayload, run_rank
 
@@ -58,6 +60,8 @@ class JobPlan:
     console_label: str = ""
     # hydra.job.env_set, resolved (Hydra's run_job applies it; kept to show and rerun the job)
     env_set: Dict[str, str] = field(default_factory=dict)
+    # the job was preempted in an earlier run of the sweep and continues in its job dir
+    resumed: bool = False
 
 
 @dataclass
@@ -66,7 +70,9 @@ class AgentJob:
     launch_config: LaunchConfig
     entrypoint: Union[Callable[..., Any], str]
     args: List[Any]
-    private_dir: Optional[Path]
+    # the job process's private directory (0700): the stop file; a rank's payload and
+    # return value when ranks are real processes
+    private_dir: Path
     console: RankConsole
 
 
@@ -97,17 +103,27 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
     _rank_exits_to_file(plan.output_dir / AGENT_LOG)
     if plan.console_label:
         _label_logged_lines(plan.console_label)
-    stop_forkserver = start_rank_forkserver() if conf.start_method == "forkserver" else (lambda: None)
+    private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
     try:
-        job = build_agent_job(plan)
+        if conf.stop_signal is not None:
+            os.environ[STOP_FILE_ENV] = str(private_dir / "stop")
+        if plan.resumed:
+            os.environ[RESUMED_ENV] = "1"
+        stop_forkserver = (
+            start_rank_forkserver(ranks_ignore=stop_signal_of(conf))
+            if conf.start_method == "forkserver"
+            else (lambda: None)
+        )
         try:
-            return _run_agent(job)
+            job = build_agent_job(plan, private_dir)
+            try:
+                return _run_agent(job)
+            finally:
+                job.console.close()
         finally:
-            job.console.close()
-            if job.private_dir is not None:
-                shutil.rmtree(job.private_dir, ignore_errors=True)
+            stop_forkserver()
     finally:
-        stop_forkserver()
+        shutil.rmtree(private_dir, ignore_errors=True)
 
 
 def job_log_dir(plan: JobPlan) -> str:
@@ -161,10 +177,9 @@ def _label_logged_lines(label: str) -> None:
             handler.addFilter(job_label)
 
 
-def build_agent_job(plan: JobPlan) -> AgentJob:
-    """The launch config and rank entry point of a job."""
+def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
+    """The launch config and rank entry point of a job; `private_dir` is the job process's."""
     console = RankConsole()
-    private_dir: Optional[Path] = None
     try:
         conf = plan.settings.conf
         plan.output_dir.mkdir(parents=True, exist_ok=True)
@@ -178,9 +193,8 @@ def build_agent_job(plan: JobPlan) -> AgentJob:
         )
         if conf.training_script is None and not conf.launch_prefix:
             args = [list(sys.path), cloudpickle.dumps(plan.payload)]
-            return AgentJob(plan, launch_config, run_rank, args, None, console)
+            return AgentJob(plan, launch_config, run_rank, args, private_dir, console)
 
-        private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
             _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload))))
@@ -188,13 +202,13 @@ def build_agent_job(plan: JobPlan) -> AgentJob:
         else:
             command = _script_command(plan)
         spec_file = private_dir / "rank.json"
-        _write_private(spec_file, json.dumps({"command": [*conf.launch_prefix, *command]}).encode())
+        stop_signal = stop_signal_of(conf)
+        spec = {"command": [*conf.launch_prefix, *command], "ignore_signal": stop_signal and int(stop_signal)}
+        _write_private(spec_file, json.dumps(spec).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
         return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
     except BaseException:
         console.close()
-        if private_dir is not None:
-            shutil.rmtree(private_dir, ignore_errors=True)
         raise
 
 
@@ -243,30 +257,41 @@ def _run_agent(job: AgentJob) -> Any:
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
     the same SignalException; a stop that came earlier stops the job before the agent starts
-    (`_failures.stops_interrupt`).
+    (`_failures.stops_interrupt`). The stop signal asks the ranks to stop at a step boundary
+    instead (`_job_preempt`); the job then ends preempted.
     """
     conf = job.plan.settings.conf
-    failure: Optional[JobFailedError] = None
+    failure: Optional[Exception] = None
     if conf.job_timeout is not None:
         signal.signal(signal.SIGALRM, _raise_deadline)
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
         with stops_interrupt():
+            _job_preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
+            _job_preempt.agent_ended()
             _leave_together(job.plan)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
-        failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
+        failure = _job_preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
+            f"the job was stopped by signal {signal.Signals(e.sigval).name}"
+        )
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
         )
+    except _job_preempt.StopTimeout:
+        failure = _job_preempt.timed_out()
     finally:
+        _job_preempt.agent_ended()
         signal.setitimer(signal.ITIMER_REAL, 0)
     if failure is None:
-        return _node_return_value(job, outputs)
+        preempted = _job_preempt.outcome()
+        if preempted is None:
+            return _node_return_value(job, outputs)
+        failure = preempted
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
 
@@ -282,7 +307,7 @@ def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
     """Global rank 0's value; on the other nodes of a multi-node job, their first rank's."""
     if job.plan.settings.conf.training_script is not None:
         return None
-    if job.private_dir is not None:
+    if isinstance(job.entrypoint, str):
         # return_<attempt>_<rank>.pkl: the last attempt's lowest rank (rank 0 on node 0)
         def order(path: Path) -> "tuple[int, int]":
             _, attempt, rank = path.stem.split("_")

@@ -26,9 +26,11 @@ from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setu
 from hydra.types import HydraContext
 from omegaconf import DictConfig
 
+from . import _job_preempt
 from ._failures import stop_requested
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
+from ._settings import stop_signal_of
 from ._signals import group_signals, take_dispositions
 
 _FRAME = struct.Struct("=q")
@@ -80,6 +82,8 @@ def _take_launcher_state(request: JobRequest) -> None:
     os.environ.update(request.environ)
     os.chdir(request.cwd)
     take_dispositions(request.ignored_signals, stop_requested)
+    conf = request.plan.settings.conf
+    _job_preempt.listen(stop_signal_of(conf), conf.stop_timeout)
     setup_globals()
     # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
     state = cloudpickle.loads(request.plan.payload.pickled_state)

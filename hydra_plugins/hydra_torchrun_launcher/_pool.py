@@ -32,6 +32,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
 from ._failures import JobFailedError
+from ._preempt import StopNotice
 from ._signals import group_signals
 from ._warm_server import WarmServer
 
@@ -89,13 +90,15 @@ def run_jobs(
     hard_limit_s: Callable[[Any], Optional[float]],
     on_start: Callable[[Any, Optional[List[str]]], None],
     on_end: Callable[[Any, JobReturn, bool], None],
-) -> List[JobReturn]:
-    """Run `jobs` (plans with `.idx` and `.nproc`); their JobReturns in job order.
+    notice: StopNotice,
+) -> Dict[int, JobReturn]:
+    """Run `jobs` (plans with `.idx` and `.nproc`); the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
     starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
     `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
-    starts and ends (`stopped`: it ended after a stop signal).
+    starts and ends (`stopped`: it ended after a stop signal). Once `notice` is received (the
+    stop signal, or a job preempted), it is passed on to the running jobs and no job starts.
     """
     by_idx = {job.idx: job for job in jobs}
     pool = DevicePool(devices)
@@ -103,17 +106,29 @@ def run_jobs(
     running: Dict[int, RunningJob] = {}
     returns: Dict[int, JobReturn] = {}
     selector = selectors.DefaultSelector()
-    stop = _StopRequest(lambda sig: [_signal(job.pid, sig) for job in running.values()])
+
+    def forward(sig: int) -> None:
+        for job in running.values():
+            _signal(job.pid, sig)
+
+    stop = _StopRequest(forward, notice.signum)
+    notice.forward = forward
     try:
         with stop.handling():
             while waiting or running:
-                while waiting and len(running) < parallel_jobs and stop.signum is None:
+                starting = stop.signum is None and not notice.received
+                while waiting and len(running) < parallel_jobs and starting:
                     ok, taken = pool.take(waiting[0].nproc)
                     if not ok:
                         break
                     job = waiting.pop(0)
                     on_start(job, taken)
                     running[job.idx] = _start(server, job, taken, request_for, hard_limit_s)
+                    # a signal that came as it started, after the checks above, reaches it too
+                    if stop.signum is not None:
+                        _signal(running[job.idx].pid, stop.signum)
+                    elif notice.received and notice.signum is not None:
+                        _signal(running[job.idx].pid, notice.signum)
                     selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
                 if not running:
                     break
@@ -140,7 +155,7 @@ def run_jobs(
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
         selector.close()
-    return [returns[job.idx] for job in jobs]
+    return returns
 
 
 def _start(
@@ -202,9 +217,10 @@ def _signal(pid: int, sig: int) -> None:
 class _StopRequest:
     """The stop signals the launcher receives while jobs run, passed on to the jobs."""
 
-    def __init__(self, forward: Callable[[int], Any]) -> None:
+    def __init__(self, forward: Callable[[int], Any], stop_signal: Optional[int]) -> None:
         self.signum: Optional[int] = None
         self._forward = forward
+        self._stop_signal = stop_signal  # a preemption notice, not a stop (`_preempt`)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is None:
@@ -219,7 +235,7 @@ class _StopRequest:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        saved = {sig: signal.getsignal(sig) for sig in group_signals()}
+        saved = {sig: signal.getsignal(sig) for sig in group_signals() if sig != self._stop_signal}
         try:
             for sig, handler in saved.items():
                 if handler != signal.SIG_IGN:

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 from multiprocessing import connection, forkserver
-from typing import Callable
+from typing import Callable, Optional
 
 from ._signals import ignored_group_signals, take_dispositions
 
@@ -53,8 +53,12 @@ def drop_inherited_forkserver() -> None:
     os.close(alive_fd)
 
 
-def start_rank_forkserver() -> Callable[[], None]:
-    """Fork the job's forkserver and point multiprocessing at it; returns how to stop it."""
+def start_rank_forkserver(ranks_ignore: Optional[int] = None) -> Callable[[], None]:
+    """Fork the job's forkserver and point multiprocessing at it; returns how to stop it.
+
+    `ranks_ignore`: a signal the server and its ranks ignore (the stop signal, which SLURM
+    sends to every process of a step: it is the job process's to act on).
+    """
     if not _supported():
         log.warning(
             "this Python's multiprocessing.forkserver differs from what the torchrun launcher knows: "
@@ -75,7 +79,8 @@ def start_rank_forkserver() -> Callable[[], None]:
             os.close(alive_w)
             # its ranks start with the signals as the launcher's processes have them, not
             # with the job process's stop handler
-            take_dispositions(ignored_group_signals())
+            ignored = ignored_group_signals()
+            take_dispositions(ignored if ranks_ignore is None else [*ignored, ranks_ignore])
             forkserver.main(listener.fileno(), alive_r, [])
             code = 0
         finally:

@@ -13,10 +13,12 @@ real program starts.
 
 import json
 import os
+import signal
 import sys
 from typing import Dict, List
 
 from hydra_plugins.hydra_torchrun_launcher._lifetime import die_with_parent
+from hydra_plugins.hydra_torchrun_launcher._stop_files import note_rank_started
 
 
 def substitute_rank(args: List[str], environ: Dict[str, str]) -> List[str]:
@@ -34,6 +36,10 @@ def _exec(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     die_with_parent()
+    if spec.get("ignore_signal"):
+        # the stop signal is the job process's to act on (SLURM sends it to every process)
+        signal.signal(spec["ignore_signal"], signal.SIG_IGN)
+    note_rank_started()
     command = substitute_rank(spec["command"], dict(os.environ))
     os.execvp(command[0], command)
 

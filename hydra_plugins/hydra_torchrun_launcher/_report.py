@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
 COMPLETED, FAILED, STOPPED, NOT_STARTED = "COMPLETED", "FAILED", "STOPPED", "NOT_STARTED"
+# stopped by the stop signal (a preemption notice): it continues when the sweep resumes
+PREEMPTED = "PREEMPTED"
 _CELL_WIDTH = 60
 _RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
 
@@ -43,35 +45,49 @@ class SweepReport:
     """The outcomes of one launcher's jobs: progress lines, the table, the summary file.
 
     One per launcher, so the batches of a sweeper that launches several add up in the file;
-    a new sweep in the same dir starts the file afresh.
+    a new sweep in the same dir starts the file afresh, unless it resumes the sweep the
+    file records (`recorded`: its jobs, kept until this sweep runs them again).
     """
 
-    def __init__(self, sweep_dir: Path) -> None:
+    def __init__(self, sweep_dir: Path, recorded: Optional[Dict[int, JobOutcome]] = None) -> None:
         self.path = sweep_dir / SUMMARY_FILE
-        self.outcomes: Dict[int, JobOutcome] = {}
+        self.outcomes: Dict[int, JobOutcome] = dict(recorded or {})
         self._started: Dict[int, float] = {}
         self._batch: List[int] = []
 
-    def launching(self, jobs: Sequence[Any]) -> None:
-        """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`."""
+    def launching(self, jobs: Sequence[Any], done: Sequence[int] = (), preempted: Sequence[int] = ()) -> None:
+        """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`; those of
+        `done` completed in an earlier run, those of `preempted` were stopped in one: their
+        outcome stays the record's until they end in this run (killed before, they still
+        resume)."""
         self._batch = [job.idx for job in jobs]
         for job in jobs:
-            self.outcomes[job.idx] = JobOutcome(
-                job.idx, list(job.overrides), NOT_STARTED, None, None, None, str(job.output_dir)
+            if job.idx not in done and job.idx not in preempted:
+                self.outcomes[job.idx] = JobOutcome(
+                    job.idx, list(job.overrides), NOT_STARTED, None, None, None, str(job.output_dir)
+                )
+        for num in done:
+            outcome = self.outcomes[num]
+            log.info(
+                f"\t#{num} : {_overrides(outcome)} : COMPLETED in an earlier run, "
+                f"returned {_short(outcome.return_value)}"
             )
+        self.write()
 
     def started(self, num: int) -> None:
         self._started[num] = time.monotonic()
 
-    def ended(self, num: int, job_return: JobReturn, stopped: bool) -> None:
-        """Record the job's outcome, log its line and rewrite the summary file."""
+    def ended(self, num: int, job_return: JobReturn, status: str) -> None:
+        """Record the job's outcome (`status`: one of this module's), log its line and
+        rewrite the summary file."""
         outcome = self.outcomes[num]
         outcome.duration_s = round(time.monotonic() - self._started[num], 3)
+        outcome.status = status
         if job_return.status == JobStatus.COMPLETED:
-            outcome.status = COMPLETED
             outcome.return_value = _json_or_repr(job_return._return_value)
+            outcome.error = None
         else:
-            outcome.status = STOPPED if stopped else FAILED
+            outcome.return_value = None
             outcome.error = str(job_return._return_value)
         self.write()
         ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
@@ -126,12 +142,15 @@ class SweepReport:
     def stop_summary(self) -> str:
         """One line after a stop: which jobs finished, which were stopped, where their logs are."""
         parts = []
-        for status in (COMPLETED, FAILED, STOPPED, NOT_STARTED):
+        for status in (COMPLETED, FAILED, PREEMPTED, STOPPED, NOT_STARTED):
             nums = [n for n in self._batch if self.outcomes[n].status == status]
             if not nums:
                 continue
             listed = ", ".join(f"#{n}" for n in nums)
-            if status == STOPPED:
+            if status == PREEMPTED:
+                dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
+                parts.append(f"preempted {listed} (continues in {dirs})")
+            elif status == STOPPED:
                 dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
                 parts.append(f"stopped {listed} (logs in {dirs})")
             else:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
+from ._signals import signals_named
 from .config import TorchrunLauncherConf
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -244,5 +245,38 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
                 "only applies with hydra.launcher.training_script set",
             )
     check_preload(conf.preload)
+    _check_stop_keys(conf)
     if conf.devices is not None and len(set(map(str, conf.devices))) != len(conf.devices):
         raise _refuse("devices", conf.devices, "list each device id once")
+
+
+def stop_signal_of(conf: TorchrunLauncherConf) -> Optional[signal.Signals]:
+    """The `stop_signal` as a signal (checked by `_check_stop_keys`); None when off."""
+    return None if conf.stop_signal is None else signals_named(conf.stop_signal)[0]
+
+
+def _check_stop_keys(conf: TorchrunLauncherConf) -> None:
+    if conf.stop_signal is not None:
+        named = signals_named(conf.stop_signal)
+        if len(named) != 1 or "," in conf.stop_signal:
+            raise _refuse("stop_signal", conf.stop_signal, "use one signal name such as SIGUSR2, or null")
+        if named[0] in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise _refuse(
+                "stop_signal",
+                conf.stop_signal,
+                "SIGINT and SIGTERM stop a sweep at once, SIGKILL/SIGSTOP/SIGCHLD cannot be one; "
+                "use SIGUSR2 (SLURM: --signal=USR2@120)",
+            )
+        if named[0] in signals_named(conf.signals_to_handle):
+            raise _refuse(
+                "stop_signal",
+                conf.stop_signal,
+                f"it is also in hydra.launcher.signals_to_handle={conf.signals_to_handle!r}, where "
+                "torch's agent would kill the ranks on it; take it out of one of them",
+            )
+    if not conf.stop_timeout > 0:
+        raise _refuse("stop_timeout", conf.stop_timeout, "use a number of seconds > 0")
+    if conf.requeue not in ("auto", False):
+        raise _refuse("requeue", conf.requeue, "use auto or false")
+    if conf.resume not in ("auto", True, False):
+        raise _refuse("resume", conf.resume, "use auto, true or false")

@@ -12,6 +12,7 @@ so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton s
 
 import copy
 import os
+import signal
 import sys
 import time
 import traceback
@@ -28,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ._lifetime import die_with_parent
 from ._rank_forkserver import drop_inherited_forkserver
+from ._stop_files import note_rank_started
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
@@ -41,6 +43,8 @@ class RankPayload:
     job_num: int
     overrides: List[str]
     failure_grace_s: float = 0.0  # see _linger_before_failing
+    # the launcher's stop signal: the job's process acts on it, the rank ignores it
+    stop_signal: Optional[int] = None
 
 
 def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
@@ -51,12 +55,15 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     """
     die_with_parent()
     drop_inherited_forkserver()
+    note_rank_started()
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     _match_torch_threads()
     _refresh_ranks_read_at_import()
     job: RankPayload = cloudpickle.loads(payload)
+    if job.stop_signal is not None:
+        signal.signal(job.stop_signal, signal.SIG_IGN)
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
     Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))

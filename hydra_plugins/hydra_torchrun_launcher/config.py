@@ -80,6 +80,18 @@ class TorchrunLauncherConf:
     # the installed packages the app had imported when the sweep launched; a list = torch
     # plus those modules; [] = torch only
     preload: Any = "auto"
+    # the signal that asks running jobs to stop at their next step boundary (a preemption
+    # notice: SLURM's --signal=USR2@120); null: none. Not USR1: NCCL uses it
+    stop_signal: Optional[str] = "SIGUSR2"
+    # seconds the ranks have, after a stop request, to checkpoint and return; then they
+    # are stopped as on a failure
+    stop_timeout: float = 300.0
+    # auto: after a stop inside a requeue-able SLURM batch job, node 0 requeues it; false: never
+    requeue: Any = "auto"
+    # auto: a sweep dir that holds this launcher's record of the same sweep resumes it
+    # (completed jobs come from the record, the others run); true: as auto, and an error
+    # when there is nothing to resume; false: every job runs
+    resume: Any = "auto"
     # print every job's plan (overrides, ranks, devices, rendezvous, the equivalent torchrun
     # command) and start nothing
     dry_run: bool = False

@@ -1,0 +1,103 @@
+"""The launcher's side of a preemption: the stop signal, the end of the sweep, the requeue.
+
+While a launch runs, the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
+`--signal=USR2@120` sends it to every srun task, i.e. to the launcher on every node) is a
+notice, not a kill: it is passed on to every running job's process (`_job_preempt`), whose
+ranks stop at a step boundary; no further job starts. When the running jobs have ended the
+launcher records the sweep, requeues the SLURM batch job when it should, and ends with one
+line saying how the sweep resumes, and the signal's exit status (128 + its number).
+A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
+"""
+
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, Callable, Iterator, List, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+_SCONTROL_TIMEOUT_S = 60
+
+
+class StopNotice:
+    """The stop signal as the launcher receives it during one launch."""
+
+    def __init__(self, signum: Optional[int]) -> None:
+        self.signum = signum
+        # the launcher got the signal, or a job of a multi-node sweep was preempted on another node
+        self.received = False
+        # passes the signal on to the running jobs' processes (set by the job pool)
+        self.forward: Callable[[int], Any] = lambda signum: None
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.received = True
+        self.forward(signum)
+
+    @contextmanager
+    def listening(self) -> Iterator["StopNotice"]:
+        """Our handler for the stop signal, the launcher's own restored afterwards (main thread
+        only; a launcher that ignores the signal keeps ignoring it, and so do its jobs)."""
+        if self.signum is None or threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        saved = signal.getsignal(self.signum)
+        if saved == signal.SIG_IGN:
+            yield self
+            return
+        signal.signal(self.signum, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(self.signum, saved if saved is not None else signal.SIG_DFL)
+
+
+def end_preempted(
+    signum: int, summary: str, resume_hint: str, requeue: Any, environ: Mapping[str, str]
+) -> None:
+    """After a preemption: requeue (node 0 of a SLURM batch job), one line, a non-zero exit."""
+    requeued = requeue_slurm_job(environ) if requeue == "auto" else None
+    how = requeued or resume_hint
+    sig = signal.Signals(signum)
+    line = f"[torchrun launcher] {sig.name}: the sweep was preempted: {summary}. {how}"
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(128 + sig)
+
+
+def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
+    """Requeue the SLURM batch job this launcher runs in, from its node 0; what was done.
+
+    None when there is nothing to requeue (not in a SLURM job, not node 0). A job SLURM will
+    not requeue (submitted with --no-requeue, not a batch job) is said in one line: the
+    sweep's record is written already, so running the same sbatch again resumes it.
+    """
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job_id or environ.get("SLURM_NODEID", "0") != "0":
+        return None
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return f"SLURM job {job_id} was not requeued: scontrol is not on PATH"
+    info = _scontrol([scontrol, "show", "job", "--oneliner", job_id])
+    fields = dict(item.split("=", 1) for item in info.stdout.split() if "=" in item)
+    if fields.get("BatchFlag") == "0":
+        return f"SLURM job {job_id} is not a batch job and cannot be requeued; run the same command again"
+    if fields.get("Requeue") == "0":
+        return (
+            f"SLURM job {job_id} was not requeued: it was submitted with --no-requeue "
+            "(hydra.launcher.requeue=auto); run the same sbatch again to resume"
+        )
+    done = _scontrol([scontrol, "requeue", job_id])
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        reason = said[-1] if said else f"exit code {done.returncode}"
+        return f"SLURM job {job_id} was not requeued: scontrol requeue said {reason!r}"
+    log.info(f"requeued SLURM job {job_id}: the sweep resumes when it runs again")
+    return f"SLURM job {job_id} is requeued: the sweep resumes when it runs again"
+
+
+def _scontrol(command: List[str]) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(command, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=False)

@@ -1,0 +1,45 @@
+"""A training loop that stops when the launcher is asked to, checkpoints, and resumes."""
+
+import json
+import os
+import time
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from hydra_plugins.hydra_torchrun_launcher import preemption
+
+
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
+def train(cfg: DictConfig) -> dict:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    checkpoint = "checkpoint.json"  # in the job dir (hydra.job.chdir)
+    start = 0
+    if preemption.resumed():
+        with open(checkpoint) as f:
+            start = json.load(f)["step"]
+        print(f"rank {rank}: resumed at step {start}", flush=True)
+    step = start
+    while step < cfg.steps:
+        time.sleep(cfg.step_s)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        step += 1
+        print(f"rank {rank}: step {step}", flush=True)
+        if not cfg.get("ignore_stop") and preemption.should_stop():
+            print(f"rank {rank}: stopping after step {step}", flush=True)
+            if rank == 0:
+                with open(checkpoint, "w") as f:
+                    json.dump({"step": step}, f)
+            dist.destroy_process_group()
+            return {"stopped_at": step}
+    print(f"rank {rank}: done, {step} steps from {start}, pid {os.getpid()}", flush=True)
+    dist.destroy_process_group()
+    return {"lr": cfg.lr, "steps": step, "from": start}
+
+
+if __name__ == "__main__":
+    train()

@@ -1,0 +1,169 @@
+"""Preemption and resume on one machine, as a user meets them.
+
+The app (`tests/preempt_app/`) trains in steps, asks `preemption.should_stop()` after each,
+checkpoints on rank 0 when told to stop and continues from its checkpoint when
+`preemption.resumed()`. The tests send the launcher its stop signal (`kill -USR2`, as
+SLURM's `--signal=USR2@T` would) at a chosen step, read the console and the sweep dir, and
+run the same command again.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import psutil
+import pytest
+
+from tests.conftest import assert_gone, wait_for
+
+APP_DIR = Path(__file__).parent / "preempt_app"
+SWEEP = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3"]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Sweep:
+    """`python app.py ARGS` run from the app's dir, its console kept in a file."""
+
+    def __init__(self, app_dir: Path, *args: str) -> None:
+        self.out = app_dir / f"console_{len(list(app_dir.glob('console_*')))}.txt"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("HYDRA_FULL_ERROR", None)
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "app.py", *args], cwd=app_dir, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def lines_after(self, marker: str) -> List[str]:
+        text = self.text()
+        return text[text.index(marker) :].splitlines() if marker in text else []
+
+    def wait_for_line(self, line: str, after: str = "", timeout: float = 120) -> None:
+        """Until the console shows `line`, after the text `after`."""
+        wait_for(lambda: line in self.lines_after(after) or self.proc.poll() is not None, timeout, line)
+        assert line in self.lines_after(after), self.text()
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def end(self, timeout: float = 120) -> "tuple[int, str]":
+        children = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        code = self.proc.wait(timeout=timeout)
+        assert_gone(children)
+        return code, self.text()
+
+
+def _install(tmp_path: Path) -> Path:
+    app_dir = tmp_path / "app"
+    shutil.copytree(APP_DIR, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    return app_dir
+
+
+def _summary(app_dir: Path) -> List[dict]:
+    return json.loads((app_dir / "sweep" / "sweep_summary.json").read_text())["jobs"]
+
+
+def _preempt_job_1_at_step(app_dir: Path, step: int, *extra: str) -> "tuple[int, str]":
+    sweep = Sweep(app_dir, *SWEEP, *extra)
+    sweep.wait_for_line(f"[default0]:rank 0: step {step}", after="\t#1 : lr=0.2")
+    sweep.signal(signal.SIGUSR2)
+    return sweep.end()
+
+
+def test_a_stop_signal_stops_every_rank_at_one_step_and_the_same_command_resumes(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    code, out = _preempt_job_1_at_step(app_dir, 2)
+
+    # both ranks stopped after the same step; job 0 completed before; job 2 never started
+    assert code == 128 + signal.SIGUSR2, out
+    stops = re.findall(r"^\[default(\d)\]:rank \d: stopping after step (\d+)$", out, re.M)
+    assert len(stops) == 2 and len({step for _, step in stops}) == 1, out
+    stopped_at = int(stops[0][1])
+    assert json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text()) == {"step": stopped_at}
+    assert "#2 : lr=0.3" not in out, out
+    jobs = _summary(app_dir)
+    assert [job["status"] for job in jobs] == ["COMPLETED", "PREEMPTED", "NOT_STARTED"], jobs
+    # one line on how the sweep resumes
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(
+        "[torchrun launcher] SIGUSR2: the sweep was preempted: completed #0; preempted #1"
+    ), out
+    assert "Run the same command again" in last, out
+
+    # the same command again: job 0 from the record, job 1 from its checkpoint, job 2 runs
+    again = Sweep(app_dir, *SWEEP)
+    code, out = again.end()
+    assert code == 0, out
+    assert re.search(r"#0 : lr=0.1 : COMPLETED in an earlier run, returned \{", out), out
+    assert "[default0]:rank 0: step 1" in out  # job 2 from step 1
+    assert f"[default0]:rank 0: resumed at step {stopped_at}" in out, out
+    assert f"[default1]:rank 1: resumed at step {stopped_at}" in out, out
+    assert f"[default0]:rank 0: done, 6 steps from {stopped_at}" in out, out
+    jobs = _summary(app_dir)
+    assert [job["status"] for job in jobs] == ["COMPLETED"] * 3, jobs
+    assert [job["return_value"]["from"] for job in jobs] == [0, stopped_at, 0], jobs
+    # job 0 did not run again: its dir holds one run's log
+    assert out.count("#0 : lr=0.1") == 1, out
+
+
+def test_a_stop_between_jobs_starts_no_further_job(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    # job 0 ignores should_stop past its last step: the stop comes as it ends
+    sweep = Sweep(app_dir, *SWEEP, "steps=3")
+    wait_for(lambda: "rank 0: done, 3 steps" in sweep.text() or sweep.proc.poll() is not None, 120, "job 0")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    statuses = [job["status"] for job in _summary(app_dir)]
+    assert statuses[0] == "COMPLETED" and statuses[2] == "NOT_STARTED", statuses
+
+
+def test_a_second_stop_signal_changes_nothing(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    sweep = Sweep(app_dir, *SWEEP, "step_s=0.5")
+    sweep.wait_for_line("[default0]:rank 0: step 2")
+    sweep.signal(signal.SIGUSR2)
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED", "NOT_STARTED", "NOT_STARTED"], out
+    assert out.count("the sweep was preempted") == 1, out
+
+
+def test_ranks_that_do_not_stop_are_stopped_after_stop_timeout(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    # never asks: ignore_stop makes the loop skip should_stop()
+    sweep = Sweep(app_dir, *SWEEP, "steps=1000", "+ignore_stop=true", "hydra.launcher.stop_timeout=2")
+    sweep.wait_for_line("[default0]:rank 0: step 2")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    job = _summary(app_dir)[0]
+    assert job["status"] == "PREEMPTED", job
+    assert "did not return within hydra.launcher.stop_timeout=2s" in job["error"], job
+
+
+def test_stop_keys_are_checked_before_any_rank_starts(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    cases = {
+        "hydra.launcher.stop_signal=SIGTERM": "hydra.launcher.stop_signal='SIGTERM' is invalid",
+        "hydra.launcher.stop_signal=SIGNOPE": "hydra.launcher.stop_signal='SIGNOPE' is invalid",
+        "hydra.launcher.stop_timeout=0": "hydra.launcher.stop_timeout=0.0 is invalid",
+        "hydra.launcher.requeue=yes": "hydra.launcher.requeue='yes' is invalid",
+        "hydra.launcher.resume=true": "hydra.launcher.resume=true: sweep holds no record of this sweep",
+        "hydra.launcher.signals_to_handle='SIGTERM,SIGUSR2'": "it is also in hydra.launcher.signals_to_handle",
+    }
+    for override, message in cases.items():
+        result = Sweep(app_dir, *SWEEP, override)
+        code, out = result.end()
+        assert code == 1 and message in out, out
+        assert "[default0]" not in out, out
