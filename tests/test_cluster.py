@@ -87,7 +87,7 @@ def settings(conf: TorchrunLauncherConf) -> JobSettings:
 def test_srun_step_on_two_nodes(node_id):
     layout = detect("auto", step_task(node_id))
     assert layout is not None
-    port = derived_port(JOB, 0)
+    port = derived_port(f"{JOB}.0")
     assert (layout.nnodes, layout.node_rank) == (2, node_id)
     assert layout.master_addr == "node01"
     assert layout.rdzv_endpoint == f"node01:{port}"
@@ -103,8 +103,16 @@ def test_every_node_of_a_step_agrees_and_other_steps_differ():
     assert other_step.rdzv_id != layouts[0].rdzv_id
     assert other_step.port != layouts[0].port
     assert all(
-        PORT_BASE <= derived_port(str(j), s) < PORT_BASE + PORT_SPAN for j in range(50) for s in (0, 3)
+        PORT_BASE <= derived_port(f"{j}.{s}") < PORT_BASE + PORT_SPAN for j in range(50) for s in (0, 3)
     )
+
+
+def test_a_requeued_job_meets_a_new_rendezvous_on_every_node():
+    first = detect("auto", step_task(0))
+    requeued = [detect("auto", {**step_task(i), "SLURM_RESTART_COUNT": "1"}) for i in (0, 1)]
+    assert len({(lo.rdzv_endpoint, lo.rdzv_id) for lo in requeued}) == 1
+    assert requeued[0].rdzv_id == f"slurm-{JOB}.0.restart1" != first.rdzv_id
+    assert requeued[0].port != first.port
 
 
 def test_nodelist_with_brackets_is_expanded_by_the_hostlist_library():
@@ -269,7 +277,7 @@ def test_apply_layout_returns_a_copy():
 def test_resolve_cluster_updates_settings_and_says_what_it_used():
     job, line = resolve_cluster(settings(TorchrunLauncherConf(nnodes="1")), step_task(1))
     assert (job.min_nodes, job.max_nodes, job.conf.node_rank) == (2, 2, 1)
-    port = derived_port(JOB, 0)
+    port = derived_port(f"{JOB}.0")
     assert line.startswith(f"SLURM job {JOB} step 0: 2 node(s) node[01-02], this is node 1 (node02)")
     assert f"rdzv_endpoint=node01:{port}" in line and "(yours)" not in line
     assert "\n" not in line

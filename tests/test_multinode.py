@@ -290,7 +290,7 @@ def slurm_job_id_with_a_free_port() -> str:
     """A job id whose derived rendezvous port is free here (the port is not ours to choose)."""
     for offset in range(1000):
         job = str(100000 + os.getpid() % 1000 * 1000 + offset)
-        if port_is_free(derived_port(job, 0)):
+        if port_is_free(derived_port(f"{job}.0")):
             return job
     raise AssertionError("no job id with a free rendezvous port")
 
@@ -324,7 +324,7 @@ def srun_task_env(job_id: str, node_id: int) -> Dict[str, str]:
 
 def test_slurm_step_makes_a_two_node_world(cluster: Cluster) -> None:
     job_id = slurm_job_id_with_a_free_port()
-    port = derived_port(job_id, 0)
+    port = derived_port(f"{job_id}.0")
     args = ["hydra.launcher.nproc_per_node=1", "+x=1,2"]
     cluster.start([args, args], [base_env(**srun_task_env(job_id, n)) for n in (0, 1)])
     nodes = cluster.wait()

@@ -160,7 +160,7 @@ def test_stop_keys_are_checked_before_any_rank_starts(tmp_path: Path) -> None:
         "hydra.launcher.stop_timeout=0": "hydra.launcher.stop_timeout=0.0 is invalid",
         "hydra.launcher.requeue=yes": "hydra.launcher.requeue='yes' is invalid",
         "hydra.launcher.resume=true": "hydra.launcher.resume=true: sweep holds no record of this sweep",
-        "hydra.launcher.signals_to_handle='SIGTERM,SIGUSR2'": "it is also in hydra.launcher.signals_to_handle",
+        "hydra.launcher.signals_to_handle='SIGTERM,SIGUSR2'": "also in hydra.launcher.signals_to_handle",
     }
     for override, message in cases.items():
         result = Sweep(app_dir, *SWEEP, override)

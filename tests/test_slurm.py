@@ -23,6 +23,7 @@ import pytest
 from tests.slurm_cluster import SlurmCluster, unavailable
 
 APP_DIR = Path(__file__).parent / "multinode_apps"
+PREEMPT_APP_DIR = Path(__file__).parent / "preempt_app"
 JOB_TIMEOUT_S = 180
 
 pytestmark = [
@@ -37,14 +38,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield running
 
 
-def _install(tmp_path: Path) -> Path:
+def _install(tmp_path: Path, source: Path = APP_DIR) -> Path:
     app_dir = tmp_path / "app"
-    shutil.copytree(APP_DIR, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(source, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     return app_dir
 
 
 def _batch(cluster: SlurmCluster, app_dir: Path, script: str, *options: str) -> Dict[str, str]:
     """Submit `script` with `options`, wait until SLURM ends it; the job's final record."""
+    return _ended(cluster, app_dir, _submit(cluster, app_dir, script, *options))
+
+
+def _submit(cluster: SlurmCluster, app_dir: Path, script: str, *options: str) -> str:
+    """Submit `script` with `options`; the job's id."""
     (app_dir / "job.sh").write_text("#!/bin/bash\n" + script)
     submitted = cluster.run(
         [
@@ -58,7 +64,11 @@ def _batch(cluster: SlurmCluster, app_dir: Path, script: str, *options: str) -> 
         cwd=app_dir,
     )
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0]
+
+
+def _ended(cluster: SlurmCluster, app_dir: Path, job_id: str) -> Dict[str, str]:
+    """Wait until SLURM ends the job (a requeued one runs again first); its final record."""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while True:
         shown = cluster.run(["scontrol", "show", "job", "-o", job_id]).stdout
@@ -70,10 +80,10 @@ def _batch(cluster: SlurmCluster, app_dir: Path, script: str, *options: str) -> 
         time.sleep(0.2)
 
 
-def _sweep(*overrides: str) -> str:
+def _sweep(*overrides: str, app: str = "node_app.py") -> str:
     command = [
         sys.executable,
-        "node_app.py",
+        app,
         "--multirun",
         "hydra/launcher=torchrun",
         "hydra.launcher.nproc_per_node=2",
@@ -158,3 +168,58 @@ def test_a_launcher_in_an_allocation_without_a_step_runs_on_its_own_node(
     ranks = list((app_dir / "multirun").glob("*/*/0/ranks/rank*.json"))
     assert sorted(p.name for p in ranks) == ["rank0.json", "rank1.json"], output
     assert {json.loads(p.read_text())["env"]["WORLD_SIZE"] for p in ranks} == {"2"}
+
+
+def test_a_preempted_batch_job_stops_on_every_rank_requeues_and_resumes(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    app_dir = _install(tmp_path, PREEMPT_APP_DIR)
+    # the checkpoint where every node reads it (one machine here; a shared disk on a cluster)
+    sweep = _sweep(
+        "lr=0.1,0.2,0.3",
+        "steps=8",
+        "step_s=0.3",
+        "checkpoint=${hydra:runtime.cwd}/checkpoint_${hydra:job.num}.json",
+        app="app.py",
+    )
+    options = ("--nodes=2", "--ntasks-per-node=1", "--open-mode=append")
+    job_id = _submit(cluster, app_dir, f"srun {sweep}\n", *options)
+    output_file = app_dir / f"slurm-{job_id}.out"
+
+    def job_1_at_step_2() -> bool:
+        text = output_file.read_text() if output_file.exists() else ""
+        return "rank 0: step 2" in text[text.find("#1 : lr=0.2") :] if "#1 : lr=0.2" in text else False
+
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not job_1_at_step_2():
+        assert time.monotonic() < deadline, output_file.read_text() if output_file.exists() else "no output"
+        time.sleep(0.1)
+    signalled = time.monotonic()
+    # what SLURM's --signal=USR2@T does at T seconds before the end: USR2 to every task
+    assert cluster.run(["scancel", "--signal=USR2", job_id]).returncode == 0
+    job = _ended(cluster, app_dir, job_id)
+    output = job["output"]
+    assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", output
+    first, second = output.split("is requeued", 1)
+
+    # the first run: all 4 ranks stopped after one step, rank 0 checkpointed, node 0 requeued
+    stops = re.findall(r"^\[default\d\]:rank (\d): stopping after step (\d+)$", first, re.M)
+    assert sorted(rank for rank, _ in stops) == ["0", "1", "2", "3"], first
+    assert len({step for _, step in stops}) == 1, first
+    stopped_at = int(stops[0][1])
+    assert f"SLURM job {job_id} is requeued" in output, output
+    assert "#2 : lr=0.3" not in first and "#1 : lr=0.2" in first, first
+
+    # the requeued run: job 0 from the record, job 1 from its checkpoint on all ranks, job 2 runs
+    assert re.search(r"#0 : lr=0.1 .* : COMPLETED in an earlier run", second), second
+    for rank in range(4):
+        assert f"rank {rank}: resumed at step {stopped_at}" in second, second
+    assert second.count(f"done, 8 steps from {stopped_at}") == 4, second
+    assert second.count("done, 8 steps from 0") == 4, second  # job 2
+    for node in (0, 1):
+        summary = json.loads((app_dir / "multirun" / job_id / f"node{node}/sweep_summary.json").read_text())
+        assert [j["status"] for j in summary["jobs"]] == ["COMPLETED"] * 3, summary
+        assert summary["jobs"][1]["return_value"]["from"] == stopped_at, summary
+    for noise in ("frame #", "Traceback", "Error waiting on exit barrier"):
+        assert noise not in output, output
+    print(f"signal to requeued sweep completed: {time.monotonic() - signalled:.1f}s")

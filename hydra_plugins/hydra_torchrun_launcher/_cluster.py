@@ -155,14 +155,18 @@ def inspect_environment(cluster: str, environ: Mapping[str, str]) -> Detection:
     )
     if nnodes == 1:
         return Detection(None, f"{where}: a single node, running single-node")
-    port = derived_port(job_id, step_id)
+    # a requeued job runs again with its id and step ids: its rendezvous (port and id) is
+    # a new one all the same, never one a straggler of the run before could still hold
+    restarts = _int_var(environ, "SLURM_RESTART_COUNT") if environ.get("SLURM_RESTART_COUNT") else 0
+    run = f"{job_id}.{step_id}" + (f".restart{restarts}" if restarts else "")
+    port = derived_port(run)
     layout = ClusterLayout(
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=nodes[0],
         port=port,
         rdzv_endpoint=f"{nodes[0]}:{port}",
-        rdzv_id=f"slurm-{job_id}.{step_id}",
+        rdzv_id=f"slurm-{run}",
         job_id=job_id,
         step_id=step_id,
         nodes=tuple(nodes),
@@ -171,9 +175,10 @@ def inspect_environment(cluster: str, environ: Mapping[str, str]) -> Detection:
     return Detection(layout, where)
 
 
-def derived_port(job_id: str, step_id: int) -> int:
-    """A port every node of the step computes alike, and other steps (likely) not."""
-    digest = hashlib.sha1(f"{job_id}.{step_id}".encode()).digest()
+def derived_port(run: str) -> int:
+    """A port every node of the step computes alike, and other steps (likely) not; `run` is
+    "<job id>.<step id>[.restart<n>]"."""
+    digest = hashlib.sha1(run.encode()).digest()
     return PORT_BASE + int.from_bytes(digest[:4], "big") % PORT_SPAN
 
 

@@ -9,7 +9,6 @@ line saying how the sweep resumes, and the signal's exit status (128 + its numbe
 A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
 """
 
-import logging
 import shutil
 import signal
 import subprocess
@@ -18,8 +17,6 @@ import threading
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Mapping, Optional
-
-log = logging.getLogger(__name__)
 
 _SCONTROL_TIMEOUT_S = 60
 
@@ -71,13 +68,15 @@ def end_preempted(
 def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
     """Requeue the SLURM batch job this launcher runs in, from its node 0; what was done.
 
-    None when there is nothing to requeue (not in a SLURM job, not node 0). A job SLURM will
+    None outside a SLURM job; on another node, that node 0 does it. A job SLURM will
     not requeue (submitted with --no-requeue, not a batch job) is said in one line: the
     sweep's record is written already, so running the same sbatch again resumes it.
     """
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    if not job_id or environ.get("SLURM_NODEID", "0") != "0":
+    if not job_id:
         return None
+    if environ.get("SLURM_NODEID", "0") != "0":
+        return f"node 0 requeues SLURM job {job_id} (hydra.launcher.requeue=auto)"
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return f"SLURM job {job_id} was not requeued: scontrol is not on PATH"
@@ -95,7 +94,6 @@ def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
         said = (done.stderr or done.stdout).strip().splitlines()
         reason = said[-1] if said else f"exit code {done.returncode}"
         return f"SLURM job {job_id} was not requeued: scontrol requeue said {reason!r}"
-    log.info(f"requeued SLURM job {job_id}: the sweep resumes when it runs again")
     return f"SLURM job {job_id} is requeued: the sweep resumes when it runs again"
 
 

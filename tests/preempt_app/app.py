@@ -16,7 +16,7 @@ from hydra_plugins.hydra_torchrun_launcher import preemption
 def train(cfg: DictConfig) -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    checkpoint = "checkpoint.json"  # in the job dir (hydra.job.chdir)
+    checkpoint = cfg.checkpoint  # relative: in the job dir (hydra.job.chdir)
     start = 0
     if preemption.resumed():
         with open(checkpoint) as f:
