@@ -111,8 +111,9 @@ def test_a_stop_signal_stops_every_rank_at_one_step_and_the_same_command_resumes
     jobs = _summary(app_dir)
     assert [job["status"] for job in jobs] == ["COMPLETED"] * 3, jobs
     assert [job["return_value"]["from"] for job in jobs] == [0, stopped_at, 0], jobs
-    # job 0 did not run again: its dir holds one run's log
+    # job 0 did not run again
     assert out.count("#0 : lr=0.1") == 1, out
+    assert "after the sweep: SIGUSR2 -> <Handlers.SIG_DFL: 0>" in out, out
 
 
 def test_a_stop_between_jobs_starts_no_further_job(tmp_path: Path) -> None:

@@ -26,11 +26,12 @@ from ._job import JobPlan
 from ._job_preempt import JobPreempted
 from ._job_process import JobRequest, encode_request
 from ._launch_config import check_supported, local_world_size, rendezvous_for
+from ._node_agreement import agree_on_resumption
 from ._pool import SweepStopped, react_to_stop, run_jobs
-from ._preempt import StopNotice, end_preempted
+from ._preempt import StopNotice, StoppedBeforeJobs, end_preempted
 from ._report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
 from ._reproduce import dry_run_plan, write_rerun_script
-from ._resume import read_record, resumption, save_return
+from ._resume import log_resumption, read_record, resumption, save_return
 from ._settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
 from ._signals import ignored_group_signals
 from ._warm_server import checked_warm_server
@@ -94,8 +95,39 @@ def launch(
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
     conf = plans[0].settings.conf
+    notice = StopNotice(stop_signal_of(conf))
+    with notice.listening():
+        return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+
+
+def _run_plans(
+    launcher: "TorchrunLauncher",
+    plans: List[JobPlan],
+    configs: Dict[int, DictConfig],
+    parallel_jobs: int,
+    devices: Optional[List[str]],
+    preload: "tuple[str, ...]",
+    task_error: Optional[str],
+    notice: StopNotice,
+) -> List[JobReturn]:
+    """Resume what the record has done, run the rest; a stop signal ends the sweep preempted."""
+    assert launcher.config is not None
+    conf = plans[0].settings.conf
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
     resumed = resumption(conf.resume, sweep_dir, plans, report.outcomes)
+    if plans[0].settings.max_nodes > 1 and conf.resume is not False:
+        try:
+            with notice.interrupting():  # a node that never comes would keep the others waiting
+                done, resumed.preempted = agree_on_resumption(
+                    plans[0], set(resumed.completed), resumed.preempted
+                )
+        except StoppedBeforeJobs:
+            assert notice.signum is not None
+            summary = "no job had started (the nodes were agreeing on what to resume)"
+            end_preempted(notice.signum, summary, conf.resume, conf.requeue, os.environ)
+        resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
+    log_resumption(sweep_dir, resumed)
     for plan in plans:
         plan.resumed = plan.idx in resumed.preempted
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
@@ -119,7 +151,6 @@ def launch(
         )
 
     report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
-    notice = StopNotice(stop_signal_of(conf))
 
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
@@ -136,30 +167,29 @@ def launch(
         report.ended(plan.idx, job_return, status)
 
     log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(sweep_dir))}")
-    with notice.listening():
-        try:
-            ran: Dict[int, JobReturn] = {}
-            if server is not None and not notice.received:
-                ran = run_jobs(
-                    server,
-                    to_run,
-                    parallel_jobs,
-                    devices,
-                    request_for,
-                    _hard_limit_s,
-                    on_start,
-                    on_end,
-                    notice,
-                )
-        except SweepStopped as stopped:
-            report.log_table()
-            react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
-            raise
-        if len(plans) > 1 or notice.received:
-            report.log_table()
-        if notice.received:
-            assert notice.signum is not None
-            end_preempted(notice.signum, report.stop_summary(), _resume_hint(), conf.requeue, os.environ)
+    try:
+        ran: Dict[int, JobReturn] = {}
+        if server is not None and not notice.received:
+            ran = run_jobs(
+                server,
+                to_run,
+                parallel_jobs,
+                devices,
+                request_for,
+                _hard_limit_s,
+                on_start,
+                on_end,
+                notice,
+            )
+    except SweepStopped as stopped:
+        report.log_table()
+        react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
+        raise
+    if len(plans) > 1 or notice.received:
+        report.log_table()
+    if notice.received:
+        assert notice.signum is not None
+        end_preempted(notice.signum, report.stop_summary(), conf.resume, conf.requeue, os.environ)
     returns = {**resumed.completed, **ran}
     return [returns[plan.idx] for plan in plans]
 
@@ -171,14 +201,6 @@ def _status_of(job_return: JobReturn, stopped: bool) -> str:
     if isinstance(job_return._return_value, JobPreempted):
         return PREEMPTED
     return STOPPED if stopped else FAILED
-
-
-def _resume_hint() -> str:
-    """How the sweep resumes: the same command, in the same sweep dir."""
-    return (
-        "Run the same command again (same hydra.sweep.dir, hydra.launcher.resume=auto) to resume it: "
-        "completed jobs are not run again, preempted ones continue in their job dir"
-    )
 
 
 def _report_of(launcher: "TorchrunLauncher", sweep_dir: Path, resuming: bool) -> SweepReport:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 LEAVE_TIMEOUT_S = 30.0
 _POLL_S = 0.02
 # torch's c10d rendezvous port when the endpoint has none
-_DEFAULT_PORT = 29400
+DEFAULT_PORT = 29400
 
 KEPT_HANDLERS: List[Any] = []
 
@@ -54,7 +54,7 @@ def leave_together(backend: str, endpoint: str, run_id: str, nodes: int) -> None
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=_DEFAULT_PORT)
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
     hosting = listens_on(port)
     key = f"hydra_torchrun/left/{run_id}"
     try:

@@ -21,6 +21,10 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional
 _SCONTROL_TIMEOUT_S = 60
 
 
+class StoppedBeforeJobs(Exception):
+    """The stop signal came while the nodes were still agreeing on what to resume."""
+
+
 class StopNotice:
     """The stop signal as the launcher receives it during one launch."""
 
@@ -30,10 +34,25 @@ class StopNotice:
         self.received = False
         # passes the signal on to the running jobs' processes (set by the job pool)
         self.forward: Callable[[int], Any] = lambda signum: None
+        self._interrupting = False
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         self.received = True
         self.forward(signum)
+        if self._interrupting:
+            raise StoppedBeforeJobs()
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Around a wait for other nodes before any job starts: the notice ends it at once
+        (the launcher then ends; nothing of the sweep has run)."""
+        if self.received:
+            raise StoppedBeforeJobs()
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
     @contextmanager
     def listening(self) -> Iterator["StopNotice"]:
@@ -53,16 +72,27 @@ class StopNotice:
             signal.signal(self.signum, saved if saved is not None else signal.SIG_DFL)
 
 
-def end_preempted(
-    signum: int, summary: str, resume_hint: str, requeue: Any, environ: Mapping[str, str]
-) -> None:
-    """After a preemption: requeue (node 0 of a SLURM batch job), one line, a non-zero exit."""
+def end_preempted(signum: int, summary: str, resume: Any, requeue: Any, environ: Mapping[str, str]) -> None:
+    """After a preemption: requeue (node 0 of a SLURM batch job), one line, a non-zero exit.
+
+    `resume` and `requeue` are the sweep's settings of those keys.
+    """
     requeued = requeue_slurm_job(environ) if requeue == "auto" else None
-    how = requeued or resume_hint
+    how = requeued or _resume_hint(resume)
     sig = signal.Signals(signum)
     line = f"[torchrun launcher] {sig.name}: the sweep was preempted: {summary}. {how}"
     print(line, file=sys.stderr, flush=True)
     raise SystemExit(128 + sig)
+
+
+def _resume_hint(resume: Any) -> str:
+    """How the sweep resumes: the same command, in the same sweep dir."""
+    if resume is False:
+        return "hydra.launcher.resume=false: running the same command again runs every job again"
+    return (
+        "Run the same command again (same hydra.sweep.dir, hydra.launcher.resume=auto) to resume it: "
+        "completed jobs are not run again, preempted ones continue in their job dir"
+    )
 
 
 def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:

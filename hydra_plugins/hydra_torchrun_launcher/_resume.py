@@ -82,15 +82,20 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Dict[int
                 found.completed[num] = returned
         elif outcome.status == PREEMPTED:
             found.preempted.add(num)
-    if found.recorded:
-        done = sorted(found.completed)
-        log.info(
-            f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
-            f"{len(done)} completed job(s) come from its record{_listed(done)}, "
-            f"{len(found.preempted)} preempted job(s) continue{_listed(sorted(found.preempted))} "
-            "(hydra.launcher.resume=false runs every job again)"
-        )
     return found
+
+
+def log_resumption(sweep_dir: Path, found: Resumption) -> None:
+    """One line when the launch resumes a recorded sweep: what comes from the record."""
+    if not found.recorded:
+        return
+    done = sorted(found.completed)
+    log.info(
+        f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
+        f"{len(done)} completed job(s) come from its record{_listed(done)}, "
+        f"{len(found.preempted)} preempted job(s) continue{_listed(sorted(found.preempted))} "
+        "(hydra.launcher.resume=false runs every job again)"
+    )
 
 
 def _listed(nums: List[int]) -> str:

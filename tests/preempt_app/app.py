@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import time
 
 import hydra
@@ -43,3 +44,5 @@ def train(cfg: DictConfig) -> dict:
 
 if __name__ == "__main__":
     train()
+    # what the app has once the sweep is over: its own handlers, not the launcher's
+    print(f"after the sweep: SIGUSR2 -> {signal.getsignal(signal.SIGUSR2)!r}", flush=True)
