@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import psutil
 import pytest
 
 from tests.conftest import assert_gone, wait_for
+from tests.test_multinode import Cluster, Node, base_env, free_port
 
 APP_DIR = Path(__file__).parent / "preempt_app"
 SWEEP = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3"]
@@ -168,3 +169,67 @@ def test_stop_keys_are_checked_before_any_rank_starts(tmp_path: Path) -> None:
         code, out = result.end()
         assert code == 1 and message in out, out
         assert "[default0]" not in out, out
+
+
+# --- a stop while a multi-node launcher waits for the other node ---
+
+
+@pytest.fixture
+def one_of_two_nodes(tmp_path: Path) -> Iterator[Cluster]:
+    """A launcher of a two-node sweep whose other node never comes."""
+    nodes = Cluster(tmp_path)
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+def _start_first_node(nodes: Cluster, *extra: str) -> "tuple[Node, int]":
+    port = free_port()
+    args = [
+        "hydra.launcher.nnodes=2",
+        "hydra.launcher.rdzv_backend=c10d",
+        f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "+x=0,1",
+        *extra,
+    ]
+    nodes.start([args], [base_env()])
+    return nodes.nodes[0], port
+
+
+def _listening(pid: int, port: int) -> bool:
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return any(
+        conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
+        for proc in processes
+        for conn in proc.net_connections(kind="tcp")
+    )
+
+
+def test_a_stop_during_a_jobs_rendezvous_ends_it_without_waiting_for_stop_timeout(
+    one_of_two_nodes: Cluster,
+) -> None:
+    node, port = _start_first_node(one_of_two_nodes, "hydra.launcher.resume=false")
+    # job 0's agent hosts its rendezvous and waits for node 1
+    wait_for(lambda: _listening(node.proc.pid, port), 120, "job 0's rendezvous")
+    node.proc.send_signal(signal.SIGUSR2)
+    (node,) = one_of_two_nodes.wait(timeout=60)
+    out = node.output()
+    assert node.proc.returncode == 128 + signal.SIGUSR2, out
+    jobs = json.loads((node.sweep_dir / "sweep_summary.json").read_text())["jobs"]
+    assert [job["status"] for job in jobs] == ["PREEMPTED", "NOT_STARTED"], jobs
+    assert jobs[0]["error"] == "the job was preempted before its ranks started", jobs
+    assert "hydra.launcher.resume=false: running the same command again runs every job again" in out, out
+    assert node.elapsed_s is not None and node.elapsed_s < 60, out
+
+
+def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher(one_of_two_nodes: Cluster) -> None:
+    node, port = _start_first_node(one_of_two_nodes)
+    # before any job, the launcher waits in the rendezvous where the nodes agree
+    wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
+    node.proc.send_signal(signal.SIGUSR2)
+    (node,) = one_of_two_nodes.wait(timeout=60)
+    out = node.output()
+    assert node.proc.returncode == 128 + signal.SIGUSR2, out
+    assert "the sweep was preempted: no job had started (the nodes were agreeing on what to resume)" in out
+    assert "Traceback" not in out, out
