@@ -223,3 +223,29 @@ def test_a_preempted_batch_job_stops_on_every_rank_requeues_and_resumes(
     for noise in ("frame #", "Traceback", "Error waiting on exit barrier"):
         assert noise not in output, output
     print(f"signal to requeued sweep completed: {time.monotonic() - signalled:.1f}s")
+
+
+def test_a_preempted_job_submitted_no_requeue_says_so_and_loses_nothing(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    app_dir = _install(tmp_path, PREEMPT_APP_DIR)
+    sweep = _sweep("lr=0.1,0.2", "steps=50", "step_s=0.2", app="app.py")
+    job_id = _submit(cluster, app_dir, f"srun {sweep}\n", "--nodes=2", "--ntasks-per-node=1", "--no-requeue")
+    output_file = app_dir / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while "rank 0: step 2" not in (output_file.read_text() if output_file.exists() else ""):
+        assert time.monotonic() < deadline, output_file.read_text() if output_file.exists() else "no output"
+        time.sleep(0.1)
+    assert cluster.run(["scancel", "--signal=USR2", job_id]).returncode == 0
+    job = _ended(cluster, app_dir, job_id)
+    output = job["output"]
+    assert job["JobState"] == "FAILED" and job["Restarts"] == "0", output
+    assert (
+        f"SLURM job {job_id} was not requeued: it was submitted with --no-requeue "
+        "(hydra.launcher.requeue=auto); submit it again with the same hydra.sweep.dir to resume"
+    ) in output, output
+    assert "Traceback" not in output, output
+    # nothing lost: each node's record says job 0 is preempted (it continues in its job dir)
+    for node in (0, 1):
+        summary = json.loads((app_dir / "multirun" / job_id / f"node{node}/sweep_summary.json").read_text())
+        assert [j["status"] for j in summary["jobs"]] == ["PREEMPTED", "NOT_STARTED"], summary

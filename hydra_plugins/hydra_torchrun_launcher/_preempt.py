@@ -100,7 +100,7 @@ def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
 
     None outside a SLURM job; on another node, that node 0 does it. A job SLURM will
     not requeue (submitted with --no-requeue, not a batch job) is said in one line: the
-    sweep's record is written already, so running the same sbatch again resumes it.
+    sweep's record is written already: submitted again with the same sweep dir, it resumes.
     """
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
@@ -117,7 +117,7 @@ def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
     if fields.get("Requeue") == "0":
         return (
             f"SLURM job {job_id} was not requeued: it was submitted with --no-requeue "
-            "(hydra.launcher.requeue=auto); run the same sbatch again to resume"
+            "(hydra.launcher.requeue=auto); submit it again with the same hydra.sweep.dir to resume"
         )
     done = _scontrol([scontrol, "requeue", job_id])
     if done.returncode != 0:
