@@ -24,6 +24,7 @@ from tests.conftest import assert_gone, wait_for
 from tests.test_multinode import Cluster, Node, base_env, free_port
 
 APP_DIR = Path(__file__).parent / "preempt_app"
+LIGHTNING_APP = Path(__file__).parent / "integration_apps" / "lightning_preempt_app.py"
 SWEEP = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3"]
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,7 +99,10 @@ def test_a_stop_signal_stops_every_rank_at_one_step_and_the_same_command_resumes
     assert last.startswith(
         "[torchrun launcher] SIGUSR2: the sweep was preempted: completed #0; preempted #1"
     ), out
-    assert "Run the same command again" in last, out
+    assert last.endswith(
+        "To resume it, run the same command with hydra.sweep.dir=sweep: completed jobs are not run again, "
+        "preempted ones continue in their job dir"
+    ), out
 
     # the same command again: job 0 from the record, job 1 from its checkpoint, job 2 runs
     again = Sweep(app_dir, *SWEEP)
@@ -233,3 +237,38 @@ def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher(one_of
     assert node.proc.returncode == 128 + signal.SIGUSR2, out
     assert "the sweep was preempted: no job had started (the nodes were agreeing on what to resume)" in out
     assert "Traceback" not in out, out
+
+
+# --- the README's Lightning recipe ---
+
+
+def test_the_lightning_recipe_stops_with_a_checkpoint_and_resumes_from_it(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    app_dir = tmp_path / "app"
+    app_dir.mkdir()
+    shutil.copy(LIGHTNING_APP, app_dir / "app.py")
+    args = ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "hydra.sweep.dir=sweep"]
+    sweep = Sweep(app_dir, *args, "lr=0.1,0.2")
+    sweep.wait_for_line("[default0]:rank 0: step 3", after="\t#0 : lr=0.1")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    job_dir = app_dir / "sweep" / "0"
+    stopped = [json.loads((job_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert stopped[0]["final_step"] == stopped[1]["final_step"] < 12, stopped  # 3 epochs x 4 steps
+    assert (job_dir / "preempted.ckpt").is_file()
+    assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED", "NOT_STARTED"], out
+
+    again = Sweep(app_dir, *args, "lr=0.1,0.2")
+    code, out = again.end()
+    assert code == 0, out
+    resumed = [json.loads((job_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert resumed == [{"start_step": stopped[0]["final_step"], "final_step": 12}] * 2, out
+    second = [json.loads((app_dir / "sweep" / "1" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert second == [{"start_step": 0, "final_step": 12}] * 2, out
+    assert [job["return_value"] for job in _summary(app_dir)] == [12, 12], out
+    # the README shows this callback as it is here
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    source = LIGHTNING_APP.read_text()
+    callback = source[source.index("class StopOnPreemption") : source.index("class Regression")].strip()
+    assert callback in readme, "README's Lightning recipe differs from the tested callback"

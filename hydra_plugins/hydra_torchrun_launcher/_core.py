@@ -123,9 +123,8 @@ def _run_plans(
                     plans[0], set(resumed.completed), resumed.preempted
                 )
         except StoppedBeforeJobs:
-            assert notice.signum is not None
-            summary = "no job had started (the nodes were agreeing on what to resume)"
-            end_preempted(notice.signum, summary, conf.resume, conf.requeue, os.environ)
+            agreeing = "no job had started (the nodes were agreeing on what to resume)"
+            _end_preempted(notice, agreeing, sweep_dir, conf)
         resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
     log_resumption(sweep_dir, resumed)
     for plan in plans:
@@ -188,10 +187,15 @@ def _run_plans(
     if len(plans) > 1 or notice.received:
         report.log_table()
     if notice.received:
-        assert notice.signum is not None
-        end_preempted(notice.signum, report.stop_summary(), conf.resume, conf.requeue, os.environ)
+        _end_preempted(notice, report.stop_summary(), sweep_dir, conf)
     returns = {**resumed.completed, **ran}
     return [returns[plan.idx] for plan in plans]
+
+
+def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any) -> None:
+    """The sweep ends preempted (`_preempt.end_preempted`)."""
+    assert notice.signum is not None
+    end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
 
 
 def _status_of(job_return: JobReturn, stopped: bool) -> str:

@@ -72,26 +72,29 @@ class StopNotice:
             signal.signal(self.signum, saved if saved is not None else signal.SIG_DFL)
 
 
-def end_preempted(signum: int, summary: str, resume: Any, requeue: Any, environ: Mapping[str, str]) -> None:
+def end_preempted(
+    signum: int, summary: str, sweep_dir: str, resume: Any, requeue: Any, environ: Mapping[str, str]
+) -> None:
     """After a preemption: requeue (node 0 of a SLURM batch job), one line, a non-zero exit.
 
-    `resume` and `requeue` are the sweep's settings of those keys.
+    `sweep_dir` is the sweep dir as the user types it; `resume` and `requeue` are the
+    sweep's settings of those keys.
     """
     requeued = requeue_slurm_job(environ) if requeue == "auto" else None
-    how = requeued or _resume_hint(resume)
+    how = requeued or _resume_hint(sweep_dir, resume)
     sig = signal.Signals(signum)
     line = f"[torchrun launcher] {sig.name}: the sweep was preempted: {summary}. {how}"
     print(line, file=sys.stderr, flush=True)
     raise SystemExit(128 + sig)
 
 
-def _resume_hint(resume: Any) -> str:
+def _resume_hint(sweep_dir: str, resume: Any) -> str:
     """How the sweep resumes: the same command, in the same sweep dir."""
     if resume is False:
         return "hydra.launcher.resume=false: running the same command again runs every job again"
     return (
-        "Run the same command again (same hydra.sweep.dir, hydra.launcher.resume=auto) to resume it: "
-        "completed jobs are not run again, preempted ones continue in their job dir"
+        f"To resume it, run the same command with hydra.sweep.dir={sweep_dir}: completed jobs are "
+        "not run again, preempted ones continue in their job dir"
     )
 
 

@@ -28,19 +28,23 @@ from ._stop_files import RESUMED_ENV, SEEN, stop_file, touch
 
 
 class _Agreement:
-    """The answer once it was True (it stays True), and the gloo group the ranks agree over."""
+    """The answer once it was True (it stays True), the gloo group the ranks agree over, and
+    the all-reduce of the previous call, still in flight."""
 
     stopped = False
     group: Any = None
+    pending: Any = None  # (work, tensor)
 
 
 def should_stop() -> bool:
     """Whether the job has been asked to stop; the same answer on every rank at the same call.
 
-    In a job of several ranks every call is a collective (an all-reduce of one integer over
-    a gloo group of the job's default process group): every rank must call it at the same
-    points, as any collective, and `torch.distributed` must be initialised. Once True it
-    stays True, with no further collective.
+    In a job of several ranks each call is a collective over a gloo group of the job's
+    process group: every rank must call it at the same points, as any collective, and
+    `torch.distributed` must be initialised. The ranks' flags travel in an all-reduce that
+    each call starts and the next one reads, so the call does not wait for the network
+    (the all-reduce runs while the rank trains) and a stop is seen one call later than it
+    could be. Once True it stays True, with no further collective.
     """
     if _Agreement.stopped:
         return True
@@ -66,7 +70,8 @@ def resumed() -> bool:
 
 
 def _agreed(asked: bool) -> bool:
-    """True on every rank when any rank was asked (one all-reduce MAX over gloo)."""
+    """Whether any rank was asked at the previous call (every rank reads the same all-reduce
+    MAX); this call's flag goes out for the next one."""
     import torch
     import torch.distributed as dist
 
@@ -76,9 +81,17 @@ def _agreed(asked: bool) -> bool:
             "(torch.distributed.init_process_group()): every rank must get the same answer"
         )
     group = _group(dist)
-    flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    agreed = False
+    if _Agreement.pending is not None:
+        work, flag = _Agreement.pending
+        work.wait()
+        agreed = bool(flag.item())
+        _Agreement.pending = None
+    if not agreed:
+        flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        _Agreement.pending = (work, flag)
+    return agreed
 
 
 def _group(dist: Any) -> Any:
