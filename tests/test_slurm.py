@@ -222,7 +222,14 @@ def test_a_preempted_batch_job_stops_on_every_rank_requeues_and_resumes(
         assert summary["jobs"][1]["return_value"]["from"] == stopped_at, summary
     for noise in ("frame #", "Traceback", "Error waiting on exit barrier"):
         assert noise not in output, output
-    print(f"signal to requeued sweep completed: {time.monotonic() - signalled:.1f}s")
+    # the round trip, from node 0's logs: preempted job ended -> the requeued run resuming
+    stamps = [
+        time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+        for pattern in (r": PREEMPTED in ", r" Resuming the sweep in multirun/\d+/node0")
+        for stamp, ms in re.findall(r"^\[([\d-]+ [\d:]+),(\d+)\]\[HYDRA\][^\n]*" + pattern, output, re.M)[:1]
+    ]
+    round_trip, whole = stamps[1] - stamps[0], time.monotonic() - signalled
+    print(f"requeue round trip {round_trip:.1f}s; USR2 to a completed sweep {whole:.1f}s")
 
 
 def test_a_preempted_job_submitted_no_requeue_says_so_and_loses_nothing(
