@@ -272,3 +272,28 @@ def test_the_lightning_recipe_stops_with_a_checkpoint_and_resumes_from_it(tmp_pa
     source = LIGHTNING_APP.read_text()
     callback = source[source.index("class StopOnPreemption") : source.index("class Regression")].strip()
     assert callback in readme, "README's Lightning recipe differs from the tested callback"
+
+
+def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    args = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
+    code, out = Sweep(app_dir, *args).end()
+    assert code == 0, out
+    # the same command: everything comes from the record
+    code, out = Sweep(app_dir, *args).end()
+    assert code == 0 and "2 completed job(s) come from its record (#0, #1)" in out, out
+    assert "[default0]" not in out, out
+    # the config changed (not an override): another sweep, every job runs
+    config = app_dir / "config.yaml"
+    config.write_text(config.read_text().replace("steps: 6", "steps: 4"))
+    code, out = Sweep(app_dir, *args).end()
+    assert code == 0, out
+    assert "sweep/sweep_summary.json records another sweep" in out, out
+    assert out.count("[default0]:rank 0: done, 4 steps from 0") == 2, out
+    # the code changed, and the user asks to resume all the same
+    source = app_dir / "app.py"
+    source.write_text(source.read_text().replace("done,", "finished,"))
+    code, out = Sweep(app_dir, *args, "hydra.launcher.resume=true").end()
+    assert code == 0, out
+    assert "the task's source or config changed since the record of job(s) #0, #1" in out, out
+    assert "[default0]" not in out, out

@@ -31,7 +31,7 @@ from ._pool import SweepStopped, react_to_stop, run_jobs
 from ._preempt import StopNotice, StoppedBeforeJobs, end_preempted
 from ._report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
 from ._reproduce import dry_run_plan, write_rerun_script
-from ._resume import log_resumption, read_record, resumption, save_return
+from ._resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
 from ._settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
 from ._signals import ignored_group_signals
 from ._warm_server import checked_warm_server
@@ -66,6 +66,7 @@ def launch(
     sweep_key = str(sweep_dir.resolve())
 
     pickled_task, task_error = _pickle_task(launcher.task_function)
+    task_source = source_digest(launcher.task_function, pickled_task)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
     configs: Dict[int, DictConfig] = {}
@@ -80,6 +81,7 @@ def launch(
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
+        plan.fingerprint = fingerprint(task_source, plan.payload.task_cfg)
         plans.append(plan)
         configs[plan.idx] = config
         notes.add(note)
@@ -114,8 +116,15 @@ def _run_plans(
     assert launcher.config is not None
     conf = plans[0].settings.conf
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
     resumed = resumption(conf.resume, sweep_dir, plans, report.outcomes)
+    if first_launch and not resumed.recorded and report.outcomes:
+        log.info(
+            f"{shown_path(str(report.path))} records another sweep (other jobs, overrides, task or "
+            "config): every job runs, and the record starts afresh"
+        )
+        report.outcomes.clear()
     if plans[0].settings.max_nodes > 1 and conf.resume is not False:
         try:
             with notice.interrupting():  # a node that never comes would keep the others waiting

@@ -62,6 +62,8 @@ class JobPlan:
     env_set: Dict[str, str] = field(default_factory=dict)
     # the job was preempted in an earlier run of the sweep and continues in its job dir
     resumed: bool = False
+    # what the job computes (the task's source, its config): a record of the same job has it
+    fingerprint: str = ""
 
 
 @dataclass

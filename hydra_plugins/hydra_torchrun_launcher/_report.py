@@ -39,6 +39,8 @@ class JobOutcome:
     # the job's error, whole (first line: what failed and how)
     error: Optional[str]
     job_dir: str
+    # what the job computes (`_resume.fingerprint`): a resumed sweep reruns a job whose differs
+    fingerprint: str = ""
 
 
 class SweepReport:
@@ -64,7 +66,14 @@ class SweepReport:
         for job in jobs:
             if job.idx not in done and job.idx not in preempted:
                 self.outcomes[job.idx] = JobOutcome(
-                    job.idx, list(job.overrides), NOT_STARTED, None, None, None, str(job.output_dir)
+                    job.idx,
+                    list(job.overrides),
+                    NOT_STARTED,
+                    None,
+                    None,
+                    None,
+                    str(job.output_dir),
+                    job.fingerprint,
                 )
         for num in done:
             outcome = self.outcomes[num]

@@ -11,6 +11,8 @@ record holds with the same overrides is:
 Hydra's default sweep dirs carry a timestamp, so a new run never resumes by accident.
 """
 
+import hashlib
+import inspect
 import json
 import logging
 import os
@@ -21,6 +23,7 @@ from typing import Any, Dict, List, Sequence, Set
 
 import cloudpickle
 from hydra.core.utils import JobReturn
+from omegaconf import DictConfig, OmegaConf
 
 from ._report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, shown_path
 from ._settings import LauncherConfigError
@@ -60,16 +63,29 @@ def read_record(sweep_dir: Path) -> Dict[int, JobOutcome]:
 def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Dict[int, JobOutcome]) -> Resumption:
     """What of `jobs` (plans with `.idx` and `.overrides`) the record has done or stopped.
 
-    `mode` is `hydra.launcher.resume`: false ignores the record; true refuses to start
-    when it holds none of these jobs.
+    A recorded job is the same job when its overrides are the same and so is its
+    fingerprint (the task's source and config). `mode` is `hydra.launcher.resume`: false
+    ignores the record; true takes a job with the same overrides whatever changed in the
+    code or config (say, a fix), and refuses to start when the record holds none.
     """
     found = Resumption()
     if mode is False:
         return found
+    changed = []
     for job in jobs:
         outcome = record.get(job.idx)
-        if outcome is not None and list(outcome.overrides) == list(job.overrides):
-            found.recorded[job.idx] = outcome
+        if outcome is None or list(outcome.overrides) != list(job.overrides):
+            continue
+        if outcome.fingerprint != job.fingerprint:
+            changed.append(job.idx)
+            if mode is not True:
+                continue
+        found.recorded[job.idx] = outcome
+    if changed and mode is True:
+        log.warning(
+            f"hydra.launcher.resume=true: the task's source or config changed since the record of "
+            f"job(s) {_listed(changed).strip(' ()')}; resuming them all the same"
+        )
     if mode is True and not found.recorded:
         raise LauncherConfigError(
             f"hydra.launcher.resume=true: {shown_path(str(sweep_dir))} holds no record of this sweep "
@@ -96,6 +112,27 @@ def log_resumption(sweep_dir: Path, found: Resumption) -> None:
         f"{len(found.preempted)} preempted job(s) continue{_listed(sorted(found.preempted))} "
         "(hydra.launcher.resume=false runs every job again)"
     )
+
+
+def source_digest(task_function: Any, pickled_task: bytes) -> str:
+    """The task's source file, digested: another app, or an edited one, is another task.
+
+    A task without a source file (made interactively) is known by its pickled form.
+    """
+    target = inspect.unwrap(getattr(task_function, "func", task_function))
+    try:
+        source = inspect.getsourcefile(target)
+    except TypeError:
+        source = None
+    data = Path(source).read_bytes() if source and os.path.isfile(source) else pickled_task
+    return hashlib.sha1(data).hexdigest()
+
+
+def fingerprint(source: str, task_cfg: DictConfig) -> str:
+    """What a job computes: its task's source digest and its config (as composed, unresolved,
+    so that `${now:}` and the like do not make a requeued run another job)."""
+    text = OmegaConf.to_yaml(task_cfg, resolve=False)
+    return hashlib.sha1(f"{source}\n{text}".encode()).hexdigest()[:16]
 
 
 def _listed(nums: List[int]) -> str:
