@@ -224,7 +224,8 @@ def test_a_multirun_config_makes_a_plain_run_one_distributed_job(tmp_path: Path)
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_while_a_job_waits_for_its_other_node_ends_on_one_line(tmp_path: Path, sig: int) -> None:
-    # a two-node job whose second node never comes: its agent waits in the rendezvous
+    # a two-node job whose second node never comes: its agent waits in the rendezvous (with
+    # nothing to resume, the nodes do not first agree on what to resume)
     app_dir = _install(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,6 +238,7 @@ def test_a_stop_while_a_job_waits_for_its_other_node_ends_on_one_line(tmp_path: 
         "hydra.launcher.nnodes=2",
         "hydra.launcher.rdzv_backend=c10d",
         f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "hydra.launcher.resume=false",
         "lr=0.1,0.2",
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -297,3 +297,30 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     assert code == 0, out
     assert "the task's source or config changed since the record of job(s) #0, #1" in out, out
     assert "[default0]" not in out, out
+
+
+def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    script = "hydra.launcher.training_script=script.py"
+    sweep = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", script)
+    sweep.wait_for_line("[default0]:rank 0: step 2")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    stops = re.findall(r"^\[default(\d)\]:rank \d: stopping after step (\d+)$", out, re.M)
+    assert len(stops) == 2 and len({step for _, step in stops}) == 1, out
+    assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
+
+
+def test_sigterm_while_the_nodes_agree_ends_the_launcher_on_one_line(one_of_two_nodes: Cluster) -> None:
+    node, port = _start_first_node(one_of_two_nodes)
+    wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
+    node.proc.send_signal(signal.SIGTERM)
+    (node,) = one_of_two_nodes.wait(timeout=60)
+    out = node.output()
+    assert node.proc.returncode == 128 + signal.SIGTERM, out
+    assert out.rstrip().splitlines()[-1] == (
+        "[torchrun launcher] SIGTERM: the sweep was stopped: "
+        "no job had started (the nodes were agreeing on what to resume)"
+    ), out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out

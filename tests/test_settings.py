@@ -26,7 +26,19 @@ ON_PURPOSE = {
     "shutdown_timeout",
     "tee",
 }
-PLUGIN_KEYS = {"parallel_jobs", "devices", "job_timeout", "launch_prefix", "cluster", "preload", "dry_run"}
+PLUGIN_KEYS = {
+    "parallel_jobs",
+    "devices",
+    "job_timeout",
+    "launch_prefix",
+    "cluster",
+    "preload",
+    "dry_run",
+    "stop_signal",
+    "stop_timeout",
+    "requeue",
+    "resume",
+}
 
 
 def settings(**overrides):

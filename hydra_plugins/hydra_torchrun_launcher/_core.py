@@ -131,9 +131,12 @@ def _run_plans(
                 done, resumed.preempted = agree_on_resumption(
                     plans[0], set(resumed.completed), resumed.preempted
                 )
-        except StoppedBeforeJobs:
+        except StoppedBeforeJobs as stopped:
             agreeing = "no job had started (the nodes were agreeing on what to resume)"
-            _end_preempted(notice, agreeing, sweep_dir, conf)
+            if stopped.signum == notice.signum:
+                _end_preempted(notice, agreeing, sweep_dir, conf)
+            react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
+            raise SweepStopped(stopped.signum) from None
         resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
     log_resumption(sweep_dir, resumed)
     for plan in plans:
@@ -169,7 +172,7 @@ def _run_plans(
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
         status = _status_of(job_return, stopped)
         if status == COMPLETED:
-            save_return(sweep_dir, plan.idx, job_return)
+            save_return(plan.output_dir, job_return)
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
         report.ended(plan.idx, job_return, status)

@@ -18,11 +18,17 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
+from ._signals import group_signals
+
 _SCONTROL_TIMEOUT_S = 60
 
 
 class StoppedBeforeJobs(Exception):
-    """The stop signal came while the nodes were still agreeing on what to resume."""
+    """A stop signal (`signum`) came while the nodes were still agreeing on what to resume."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class StopNotice:
@@ -34,25 +40,35 @@ class StopNotice:
         self.received = False
         # passes the signal on to the running jobs' processes (set by the job pool)
         self.forward: Callable[[int], Any] = lambda signum: None
-        self._interrupting = False
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         self.received = True
         self.forward(signum)
-        if self._interrupting:
-            raise StoppedBeforeJobs()
+
+    def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.received = self.received or signum == self.signum
+        raise StoppedBeforeJobs(signum)
 
     @contextmanager
     def interrupting(self) -> Iterator[None]:
-        """Around a wait for other nodes before any job starts: the notice ends it at once
-        (the launcher then ends; nothing of the sweep has run)."""
+        """Around a wait for other nodes before any job starts: the stop signal, Ctrl-C or
+        SIGTERM end it at once with StoppedBeforeJobs (nothing of the sweep has run; the
+        launcher then ends). Signals the launcher ignores stay ignored."""
         if self.received:
-            raise StoppedBeforeJobs()
-        self._interrupting = True
+            assert self.signum is not None
+            raise StoppedBeforeJobs(self.signum)
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {sig: signal.getsignal(sig) for sig in group_signals()}
         try:
+            for sig, handler in saved.items():
+                if handler != signal.SIG_IGN:
+                    signal.signal(sig, self._interrupt)
             yield
         finally:
-            self._interrupting = False
+            for sig, handler in saved.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     @contextmanager
     def listening(self) -> Iterator["StopNotice"]:

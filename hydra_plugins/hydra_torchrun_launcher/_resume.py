@@ -1,10 +1,10 @@
 """Resuming a sweep from its record: which jobs are done, which continue, which run.
 
 The record is the sweep dir's `sweep_summary.json` (`_report`) plus, for every completed
-job, its pickled `JobReturn` in `<sweep dir>/.sweep_returns/` (a private dir, files 0600:
-a pickle is code, and only this user may have written it). When the same sweep runs again
-in the same sweep dir (a requeued SLURM job, a user running the command again), a job the
-record holds with the same overrides is:
+job, its pickled `JobReturn` in `<job dir>/.hydra/job_return.pkl` (beside Hydra's own
+account of the job; owner-only: a pickle is code, and only this user may have written it).
+When the same sweep runs again in the same sweep dir (a requeued SLURM job, a user running
+the command again), a job the record holds with the same overrides and fingerprint is:
 - COMPLETED: not run; its JobReturn (return value included) comes from the record;
 - PREEMPTED: run in its same job dir, with `preemption.resumed()` True;
 - anything else (FAILED, STOPPED, NOT_STARTED): run.
@@ -30,7 +30,7 @@ from ._settings import LauncherConfigError
 
 log = logging.getLogger(__name__)
 
-RETURNS_DIR = ".sweep_returns"
+RETURN_FILE = Path(".hydra") / "job_return.pkl"
 
 
 @dataclass
@@ -93,7 +93,7 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Dict[int
         )
     for num, outcome in found.recorded.items():
         if outcome.status == COMPLETED:
-            returned = load_return(sweep_dir, num)
+            returned = load_return(Path(outcome.job_dir), num)
             if returned is not None:
                 found.completed[num] = returned
         elif outcome.status == PREEMPTED:
@@ -139,28 +139,26 @@ def _listed(nums: List[int]) -> str:
     return f" ({', '.join(f'#{n}' for n in nums)})" if nums else ""
 
 
-def save_return(sweep_dir: Path, num: int, job_return: JobReturn) -> None:
+def save_return(job_dir: Path, job_return: JobReturn) -> None:
     """Keep a completed job's JobReturn for a later resume (owner-only, replaced whole)."""
-    directory = sweep_dir / RETURNS_DIR
-    directory.mkdir(mode=0o700, exist_ok=True)
-    path = directory / f"{num}.pkl"
-    partial = directory / f".{num}.pkl.{os.getpid()}"
+    path = job_dir / RETURN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(cloudpickle.dumps(job_return))
     os.replace(partial, path)
 
 
-def load_return(sweep_dir: Path, num: int) -> "JobReturn | None":
+def load_return(job_dir: Path, num: int) -> "JobReturn | None":
     """A completed job's JobReturn from the record; None (the job runs again) when it is
     missing. One that another user could have written is refused by name."""
-    directory = sweep_dir / RETURNS_DIR
-    path = directory / f"{num}.pkl"
+    path = job_dir / RETURN_FILE
     if not path.is_file():
         shown = shown_path(str(path))
         log.warning(f"job #{num} is completed in the record but {shown} is missing: it runs again")
         return None
-    for checked in (directory, path):
+    for checked in (path.parent, path):
         info = checked.stat()
         if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise LauncherConfigError(
