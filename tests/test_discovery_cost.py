@@ -30,7 +30,7 @@ APP = textwrap.dedent(
     from omegaconf import DictConfig
 
 
-    @hydra.main(version_base=None, config_path=None, config_name=None)
+    @hydra.main(version_base="1.3", config_path=None, config_name=None)
     def main(cfg: DictConfig) -> None:
         discovered = all(name in sys.modules for name in {discovered!r})
         print(f"REPORT discovered={{discovered}} torch={{'torch' in sys.modules}}")

@@ -634,7 +634,7 @@ import os, time
 from pathlib import Path
 import hydra
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     marker_dir = Path(cfg.marker_dir)
     (marker_dir / f"running_{os.environ['RANK']}").write_text(str(os.getpid()))

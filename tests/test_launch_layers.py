@@ -16,7 +16,7 @@ HYDRA_APP = """
 import os
 import hydra
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
 def main(cfg):
     with open(os.path.join(cfg.marker_dir, f"task_{cfg.lr}_{os.environ['RANK']}.json"), "w") as f:
         import json
@@ -160,7 +160,7 @@ class Record(Callback):
         with open(os.path.join(config.hydra.sweep.dir, "returns.txt"), "a") as f:
             f.write(f"{job_return.return_value}\\n")
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     return f"x={cfg.x} rank={os.environ['RANK']}"
 
@@ -187,7 +187,7 @@ PROGRESS_APP = """
 import os, sys
 import hydra
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     rank = os.environ["RANK"]
     for pct in range(0, 101, 25):

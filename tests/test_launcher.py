@@ -235,7 +235,7 @@ class Record(Callback):
         with open(os.path.join(config.hydra.sweep.dir, "events.txt"), "a") as f:
             f.write(f"end {config.hydra.job.num} {os.getpid()} {job_return.return_value}\\n")
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     print(f"pid of rank {os.environ['RANK']}: {os.getpid()}", flush=True)
     return int(os.environ["RANK"]) + 7
@@ -290,7 +290,7 @@ import logging, os
 import hydra
 log = logging.getLogger(__name__)
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     log.info(f"hello from rank {os.environ['RANK']}")
 
@@ -319,7 +319,7 @@ def test_multirun_exits_non_zero_when_a_job_failed(tmp_path: Path) -> None:
 import os
 import hydra
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     if cfg.x == 1 and os.environ["RANK"] == "0":
         raise RuntimeError("job one is broken")
@@ -365,7 +365,7 @@ def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, ove
         """
 import hydra
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     open("a_rank_ran", "w").close()
 

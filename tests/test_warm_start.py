@@ -37,7 +37,7 @@ import hydra
 import torch
 
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg):
     record = {
         # the process the rank was forked from had initialised CUDA

@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ._console import RankConsole
-from ._failures import JobFailedError, describe, stops_interrupt
+from ._failures import JobFailedError, job_error, stops_interrupt
 from ._launch_config import Rendezvous, build_launch_config
 from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
@@ -246,7 +246,7 @@ def _run_agent(job: AgentJob) -> Any:
     (`_failures.stops_interrupt`).
     """
     conf = job.plan.settings.conf
-    failure: Optional[JobFailedError] = None
+    failure: Optional[Exception] = None
     if conf.job_timeout is not None:
         signal.signal(signal.SIGALRM, _raise_deadline)
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
@@ -256,7 +256,7 @@ def _run_agent(job: AgentJob) -> Any:
             _leave_together(job.plan)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
-        failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
+        failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
         failure = JobFailedError(f"the job was stopped by signal {signal.Signals(e.sigval).name}")
     except JobDeadline:

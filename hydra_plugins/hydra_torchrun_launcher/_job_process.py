@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from ._failures import stop_requested
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
+from ._rank_error import dumps_job_return
 from ._signals import group_signals, take_dispositions
 
 _FRAME = struct.Struct("=q")
@@ -104,7 +105,7 @@ def _run(request: JobRequest) -> JobReturn:
 
 def _pickled_return(job_return: JobReturn) -> bytes:
     try:
-        return cloudpickle.dumps(job_return)
+        return dumps_job_return(job_return)
     except Exception as e:  # the value or error cannot travel back: say so, as a failed job
         failed = JobReturn(
             overrides=job_return.overrides,

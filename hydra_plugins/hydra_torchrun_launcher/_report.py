@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
+from ._rank_error import failure_summary
+
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
@@ -72,7 +74,7 @@ class SweepReport:
             outcome.return_value = _json_or_repr(job_return._return_value)
         else:
             outcome.status = STOPPED if stopped else FAILED
-            outcome.error = str(job_return._return_value)
+            outcome.error = failure_summary(job_return._return_value)
         self.write()
         ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
         line = (

@@ -27,6 +27,7 @@ from hydra.core.utils import _flush_loggers, configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
 from ._lifetime import die_with_parent
+from ._rank_error import write_rank_exception
 from ._rank_forkserver import drop_inherited_forkserver
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
@@ -70,6 +71,8 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             # on the rank's stderr, as Python prints it for a script under torchrun (from
             # the task's frame on): the console shows it once, with the rank's prefix
             traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+            # and the exception itself, for the job's error (`_rank_error`)
+            write_rank_exception(e, e.__traceback__.tb_next if e.__traceback__ else None)
         _linger_before_failing(job.failure_grace_s)
         raise
     finally:

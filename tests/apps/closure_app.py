@@ -22,4 +22,4 @@ def make_task():
 
 
 if __name__ == "__main__":
-    hydra.main(version_base=None, config_name="config")(make_task())()
+    hydra.main(version_base="1.3", config_name="config")(make_task())()

@@ -105,7 +105,7 @@ def _scan(marker: str) -> str:
     return "\n".join(found)
 
 
-@hydra.main(version_base=None, config_name="config")
+@hydra.main(version_base="1.3", config_name="config")
 def main(cfg):
     rank = int(os.environ["RANK"])
     _record_pid(rank)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
 def main(cfg: DictConfig) -> float:
     rank = int(os.environ["RANK"])
     log.info("rank %d of %s starts, lr=%s", rank, os.environ["WORLD_SIZE"], cfg.lr)

@@ -24,7 +24,7 @@ with open(Path(__file__).with_name("body_runs.txt"), "a") as _runs:
 MEET_TIMEOUT_S = 120
 
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
 def main(cfg: DictConfig) -> dict:
     job_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = os.environ["RANK"]

@@ -26,7 +26,7 @@ ENV_KEYS = (
 )
 
 
-@hydra.main(version_base=None, config_path=".", config_name="node_config")
+@hydra.main(version_base="1.3", config_path=".", config_name="node_config")
 def main(cfg: DictConfig) -> dict:
     import torch
     import torch.distributed as dist
