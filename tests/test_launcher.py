@@ -3,6 +3,7 @@
 import functools
 import os
 import threading
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -14,6 +15,7 @@ from hydra.test_utils.test_utils import TSweepRunner
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.hydra_torchrun_launcher._failures import JobFailedError
+from hydra_plugins.hydra_torchrun_launcher._rank_error import failure_summary
 from tests.conftest import assert_gone, run_app
 
 pytestmark = [pytest.mark.usefixtures("hydra_restore_singletons"), pytest.mark.timeout(240)]
@@ -195,7 +197,10 @@ def test_custom_resolver_resolves_in_ranks(hydra_sweep_runner: TSweepRunner, tmp
 def _fail_on_rank(cfg: DictConfig) -> int:
     rank = int(os.environ["RANK"])
     if cfg.x == 1 and rank == 1:
-        raise ValueError(f"bad value on rank {rank}")
+        try:
+            _ = {}["missing_key"]
+        except KeyError as e:
+            raise ValueError(f"bad value on rank {rank}") from e
     Path(cfg.marker_dir, f"ran_{cfg.x}_{rank}").touch()
     return rank + 100
 
@@ -204,17 +209,25 @@ def test_failed_rank_fails_its_job_and_the_sweep_goes_on(
     hydra_sweep_runner: TSweepRunner, tmp_path: Path
 ) -> None:
     # Hydra's sweeper re-raises the first failed job's error once the whole batch has run
-    with pytest.raises(JobFailedError) as failure:
+    # the error is the rank's own exception, as the task raised it: type, message, frames, chain
+    with pytest.raises(ValueError) as failure:
         sweep(
             hydra_sweep_runner,
             _fail_on_rank,
             ["hydra.launcher.nproc_per_node=2", "+x=1,2", f"+marker_dir={tmp_path}"],
             tmp_path / "sweep",
         )
-    message = str(failure.value)
-    assert message.startswith("rank 1 (local_rank 1, pid ")
-    assert "ValueError: bad value on rank 1" in message
-    assert "in _fail_on_rank" in str(failure.value.__cause__)  # the rank's traceback, chained
+    error = failure.value
+    assert str(error) == "bad value on rank 1"
+    assert any(frame.name == "_fail_on_rank" for frame in traceback.extract_tb(error.__traceback__))
+    # (by name: Hydra 1.4 rebuilds a chained exception as a stand-in of the same name)
+    assert type(error.__cause__).__name__ == "KeyError" and "missing_key" in str(error.__cause__)
+    assert any(frame.name == "_fail_on_rank" for frame in traceback.extract_tb(error.__cause__.__traceback__))
+    # and the launcher's account of it names the rank first
+    summary = failure_summary(error)
+    assert summary.startswith("rank 1 (local_rank 1, pid ") and "ValueError: bad value on rank 1" in summary
+    assert error.__notes__[0].startswith("rank 1 (local_rank 1, pid ")
+    assert "exited with code 1" in error.__notes__[0] and "bad value" not in error.__notes__[0]
     assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1_0", "ran_2_0", "ran_2_1"]
 
 
