@@ -17,7 +17,9 @@ setup(
     # Hydra 1.4 finds plugins through this group (an editable install of any mode works);
     # Hydra 1.3 scans the hydra_plugins namespace package instead
     entry_points={
-        "hydra.plugins": ["torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher"]
+        "hydra.plugins": [
+            "torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher",
+        ]
     },
     install_requires=[
         "hydra-core>=1.3.2,<1.5",

@@ -22,13 +22,14 @@ from typing import Any, Dict, List, Optional
 
 import cloudpickle
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
 
 from ._failures import stop_requested
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
+from ._private import flush_loggers as _flush_loggers
 from ._rank_error import dumps_job_return
 from ._signals import group_signals, take_dispositions
 

@@ -193,10 +193,10 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], con
             **common, console=console, prefix_template=_prefix_template(conf), label=console_label
         )
     if conf.logs_specs is not None:
-        from torch.distributed.run import _get_logs_specs_class
+        from ._private import logs_specs_class
 
         try:
-            specs_class = _get_logs_specs_class(conf.logs_specs)
+            specs_class = logs_specs_class(conf.logs_specs)
         except ValueError as e:
             raise LauncherConfigError(f"hydra.launcher.logs_specs={conf.logs_specs!r} is invalid: {e}") from e
     return specs_class(**common)

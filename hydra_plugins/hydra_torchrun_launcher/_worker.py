@@ -23,10 +23,11 @@ from typing import Any, Dict, List, Optional
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import _flush_loggers, configure_log, setup_globals
+from hydra.core.utils import configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
 from ._lifetime import die_with_parent
+from ._private import flush_loggers as _flush_loggers
 from ._rank_error import write_rank_exception
 from ._rank_forkserver import drop_inherited_forkserver
 
@@ -165,7 +166,7 @@ def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     """
     server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._warm_server")
     hydra_plugins = sys.modules.get("hydra_plugins")
-    if server is None or server.PLUGINS is None or hydra_plugins is None:
+    if server is None or server.PLUGINS is None or hydra_plugins is None or "instances" not in state:
         return state
     if list(getattr(hydra_plugins, "__path__", [])) != server.SCANNED_PATH:
         return state
