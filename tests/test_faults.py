@@ -634,8 +634,10 @@ WAITING_APP = """
 import os, time
 from pathlib import Path
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base="1.3", config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     marker_dir = Path(cfg.marker_dir)
     (marker_dir / f"running_{os.environ['RANK']}").write_text(str(os.getpid()))

@@ -237,6 +237,8 @@ def test_callbacks_fire_once_per_job_in_the_jobs_own_process(tmp_path: Path) -> 
         """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 from hydra.experimental.callback import Callback
 
 class Record(Callback):
@@ -248,7 +250,7 @@ class Record(Callback):
         with open(os.path.join(config.hydra.sweep.dir, "events.txt"), "a") as f:
             f.write(f"end {config.hydra.job.num} {os.getpid()} {job_return.return_value}\\n")
 
-@hydra.main(version_base="1.3", config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     print(f"pid of rank {os.environ['RANK']}: {os.getpid()}", flush=True)
     return int(os.environ["RANK"]) + 7
@@ -301,9 +303,11 @@ def test_ranks_log_to_files_of_their_own(tmp_path: Path) -> None:
         """
 import logging, os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 log = logging.getLogger(__name__)
 
-@hydra.main(version_base="1.3", config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     log.info(f"hello from rank {os.environ['RANK']}")
 
@@ -331,8 +335,10 @@ def test_multirun_exits_non_zero_when_a_job_failed(tmp_path: Path) -> None:
         """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base="1.3", config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     if cfg.x == 1 and os.environ["RANK"] == "0":
         raise RuntimeError("job one is broken")
@@ -377,8 +383,10 @@ def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, ove
     app.write_text(
         """
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base="1.3", config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     open("a_rank_ran", "w").close()
 

@@ -88,6 +88,21 @@ def test_a_key_the_installed_torch_lacks_is_refused_only_when_set(monkeypatch: p
     assert torch.__version__ in str(refused.value)
 
 
+@pytest.mark.parametrize("field_name", ["signals_to_handle", "shutdown_timeout"])
+def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
+    field_name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    present = _launch_config.launch_config_fields()
+    assert field_name in present  # every torch setup.py allows has it: the warning is for a later one
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {field_name})
+    monkeypatch.setattr(_launch_config, "_WARNED", set())
+    with caplog.at_level("WARNING"):
+        _launch_config.check_supported(settings())
+        _launch_config.check_supported(settings())
+    said = [r.getMessage() for r in caplog.records if f"LaunchConfig.{field_name}" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"torch {torch.__version__} has no "), said
+
+
 @pytest.mark.parametrize(
     "key, value, expected",
     [
