@@ -1,6 +1,7 @@
 """What a user of `hydra/launcher=torchrun` sees: per-job settings, the ranks' world, returns, errors."""
 
 import functools
+import inspect
 import os
 import threading
 import traceback
@@ -180,8 +181,17 @@ def test_task_functions_of_every_kind_travel(
     assert [r.return_value for r in returns] == expected
 
 
+def _register_resolver(name: str, resolver: Any) -> None:
+    """OmegaConf 2.4 registers with `register_resolver` (its `register_new_resolver` warns);
+    in 2.3 `register_resolver` is the older, deprecated API."""
+    if "annotation_validation" in inspect.signature(OmegaConf.register_resolver).parameters:
+        OmegaConf.register_resolver(name, resolver, replace=True, annotation_validation="off")
+    else:
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
+
+
 def test_custom_resolver_resolves_in_ranks(hydra_sweep_runner: TSweepRunner, tmp_path: Path) -> None:
-    OmegaConf.register_new_resolver("times_ten", lambda v: int(v) * 10, replace=True)
+    _register_resolver("times_ten", lambda v: int(v) * 10)
     try:
         returns = sweep(
             hydra_sweep_runner,
@@ -419,3 +429,39 @@ def test_return_value_that_cannot_be_pickled_fails_only_its_job(
     with pytest.raises(JobFailedError, match=r"return value \(lock\) cannot be pickled"):
         sweep(hydra_sweep_runner, task, ["+x=1,2", f"+marker_dir={tmp_path}"], tmp_path / "sweep")
     assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1", "ran_2"]
+
+
+WHITELIST_APP = """
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path=None, execution_whitelist=["fractions.Fraction"])
+def main(cfg: DictConfig) -> None:
+    assert instantiate({"_target_": "fractions.Fraction", "numerator": 1}) == 1
+    try:
+        instantiate({"_target_": "decimal.Decimal", "value": "1"})
+    except Exception as e:
+        print(f"REFUSED {type(e).__name__}")
+    else:
+        print("ALLOWED")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_ranks_check_instantiate_targets_as_hydras_run_job_does(tmp_path: Path) -> None:
+    """Hydra 1.4's `@hydra.main(execution_whitelist=...)` holds in every rank, as in Hydra's launchers."""
+    import hydra.utils
+
+    if not hasattr(hydra.utils, "execution_whitelist"):
+        pytest.skip("this Hydra (< 1.4) has no execution whitelist")
+    app = tmp_path / "app.py"
+    app.write_text(WHITELIST_APP)
+    overrides = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", f"hydra.sweep.dir={tmp_path}"]
+    result = run_app(app, ["-m", *overrides], cwd=tmp_path)
+    assert result.stdout.count("REFUSED InstantiationException") == 2, result.stdout
+    assert "ALLOWED" not in result.stdout, result.stdout

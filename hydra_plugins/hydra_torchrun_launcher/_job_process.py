@@ -91,6 +91,9 @@ def _take_launcher_state(request: JobRequest) -> None:
 
 
 def _run(request: JobRequest) -> JobReturn:
+    # the ranks check instantiate() targets as run_job does here (Hydra 1.4)
+    request.plan.payload.execution_whitelist = getattr(request.hydra_context, "execution_whitelist", None)
+
     def distributed_task(task_cfg: DictConfig) -> Any:
         # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start
         return run_agent_job(request.plan, request.devices, request.task_error)

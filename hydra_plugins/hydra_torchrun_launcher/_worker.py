@@ -11,6 +11,7 @@ so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton s
 """
 
 import copy
+import inspect
 import os
 import sys
 import time
@@ -43,6 +44,8 @@ class RankPayload:
     job_num: int
     overrides: List[str]
     failure_grace_s: float = 0.0  # see _linger_before_failing
+    # Hydra 1.4's trusted instantiate() targets (`@hydra.main(execution_whitelist=...)`)
+    execution_whitelist: Any = None
 
 
 def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
@@ -63,7 +66,8 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     setup_globals()
     Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
     rank = int(os.environ.get("RANK", "0"))
-    configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose)
+    configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
+    _enter_execution_whitelist(job.execution_whitelist)
     task = cloudpickle.loads(job.pickled_task)
     try:
         value = task(job.task_cfg)
@@ -87,6 +91,22 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             f"the task function's return value ({type(value).__name__}) cannot be pickled "
             f"to send it back to the launcher: {e}"
         ) from e
+
+
+def _whitelisted(job: RankPayload) -> Dict[str, Any]:
+    """configure_log's execution whitelist, on a Hydra that takes one (1.4), as run_job passes it."""
+    if "execution_whitelist" not in inspect.signature(configure_log).parameters:
+        return {}
+    return {"execution_whitelist": job.execution_whitelist}
+
+
+def _enter_execution_whitelist(whitelist: Any) -> None:
+    """The task's instantiate() calls checked as in Hydra's run_job (1.4), for the rank's life."""
+    try:
+        from hydra.utils import execution_whitelist  # type: ignore[attr-defined]
+    except ImportError:
+        return  # Hydra 1.3: no whitelist
+    execution_whitelist(whitelist, reset=True).__enter__()
 
 
 def _match_torch_threads() -> None:
