@@ -461,7 +461,13 @@ def test_ranks_check_instantiate_targets_as_hydras_run_job_does(tmp_path: Path) 
         pytest.skip("this Hydra (< 1.4) has no execution whitelist")
     app = tmp_path / "app.py"
     app.write_text(WHITELIST_APP)
-    overrides = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", f"hydra.sweep.dir={tmp_path}"]
+    # spawn: ranks that share no memory with the job's process, where run_job set the whitelist
+    overrides = [
+        "hydra/launcher=torchrun",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.start_method=spawn",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     result = run_app(app, ["-m", *overrides], cwd=tmp_path)
     assert result.stdout.count("REFUSED InstantiationException") == 2, result.stdout
     assert "ALLOWED" not in result.stdout, result.stdout
