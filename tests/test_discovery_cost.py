@@ -28,7 +28,7 @@ APP = textwrap.dedent(
 
     import hydra
     # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
-    VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+    VERSION_BASE = {{}} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {{"version_base": "1.3"}}
     from omegaconf import DictConfig
 
 
