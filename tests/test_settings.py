@@ -13,9 +13,9 @@ from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
 # torchrun's own flags, from its own parser (dashes and underscores spelled alike)
 _PARSER = get_args_parser()
-TORCHRUN_DEFAULTS = {
-    action.dest: action.default for action in _PARSER._actions if action.dest not in ("help",)
-}
+# flags that print something and exit (`--print-completion`: torch 2.15): nothing a launcher runs
+CLI_ONLY = ("help", "print_completion")
+TORCHRUN_DEFAULTS = {a.dest: a.default for a in _PARSER._actions if a.dest not in CLI_ONLY}
 # where this plugin differs from torchrun on purpose (see README: "Defaults that differ")
 ON_PURPOSE = {
     "master_port",
