@@ -14,8 +14,15 @@ setup(
     packages=find_namespace_packages(include=["hydra_plugins.*"]),
     package_data={"hydra_plugins.hydra_torchrun_launcher": ["py.typed"]},
     python_requires=">=3.9",
+    # Hydra 1.4 finds plugins through this group (an editable install of any mode works);
+    # Hydra 1.3 scans the hydra_plugins namespace package instead
+    entry_points={
+        "hydra.plugins": [
+            "torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher",
+        ]
+    },
     install_requires=[
-        "hydra-core>=1.3,<1.4",
+        "hydra-core>=1.3.2,<1.5",
         "omegaconf>=2.3",
         "cloudpickle>=2.0",
         "python-hostlist>=2.0",
@@ -27,7 +34,7 @@ setup(
             "pytest-timeout>=2",
             "psutil>=5",
             "ruff",
-            "hydra-optuna-sweeper==1.2.0",
+            "hydra-optuna-sweeper>=1.2.0",
             "lightning==2.6.6",
         ],
     },

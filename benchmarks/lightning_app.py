@@ -33,7 +33,7 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@hydra.main(version_base=None, config_path=None, config_name=None)
+@hydra.main(version_base="1.3", config_path=None, config_name=None)
 def main(cfg: DictConfig) -> None:
     task_start = time.time()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")

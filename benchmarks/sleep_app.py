@@ -7,7 +7,7 @@ import hydra
 from omegaconf import DictConfig
 
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(version_base="1.3", config_path=None)
 def main(cfg: DictConfig) -> str:
     time.sleep(float(cfg.seconds))
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")

@@ -46,7 +46,7 @@ ConfigStore.instance().store(
 )
 
 
-@hydra.main(version_base=None, config_name="trivial")
+@hydra.main(version_base="1.3", config_name="trivial")
 def main(cfg: DictConfig) -> float:
     started, cpu_started = time.time(), time.process_time()
     return trivial_task.run(cfg.x, started, cpu_started, HydraConfig.get().runtime.output_dir)

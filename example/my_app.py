@@ -44,7 +44,7 @@ def mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     return (totals[0] / totals[1]).item()
 
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
 def train(cfg: DictConfig) -> float:
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR/PORT come from the launcher
     rank, world_size = dist.get_rank(), dist.get_world_size()

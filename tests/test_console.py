@@ -62,8 +62,9 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     assert result.returncode == 1, out
     lines = out.splitlines()
 
-    # the rank's own traceback, once, with its prefix; nobody else's copy of it
-    assert out.count("Traceback (most recent call last)") == 1, out
+    # the rank's own traceback, with its prefix, as it happens; later only Hydra's last word
+    # (the job's error: the rank's exception itself); nobody else's copy of it
+    assert out.count("Traceback (most recent call last)") == 2, out
     assert "[default1]:Traceback (most recent call last):" in lines, out
     assert "[default1]:ValueError: lr=0.2 diverged" in lines, out
     assert 'raise ValueError(f"lr={cfg.lr} diverged")' in out
@@ -108,10 +109,16 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     assert jobs[1]["error"].startswith("rank 1 (local_rank 1, pid ")
     assert all(j["duration_s"] > 0 and Path(j["job_dir"]) == app_dir / "sweep" / str(j["num"]) for j in jobs)
 
-    # Hydra's last word: which job, then the same few lines, no stack
+    # Hydra's last word: which job, then the rank's exception as the task raised it (its frame,
+    # no frame of Hydra's or torch's), then which rank it was and where its output is
     end = out[out.index("Error executing job with overrides: ['lr=0.2', 'fail_at=0.2']") :]
-    assert end.splitlines()[1].startswith("rank 1 (local_rank 1, pid "), end
-    assert "Traceback" not in end
+    assert "in main\n" in end and 'raise ValueError(f"lr={cfg.lr} diverged")' in end, end
+    assert "/torch/" not in end and "/hydra/" not in end, end
+    told = end.splitlines()
+    said = told.index("ValueError: lr=0.2 diverged")
+    rank = told[said + 1]
+    assert rank.startswith("rank 1 (local_rank 1, pid ") and rank.endswith("exited with code 1"), end
+    assert told[said + 2] == its_output, end
 
 
 def test_jobs_at_once_label_every_line(tmp_path: Path) -> None:

@@ -27,10 +27,12 @@ APP = textwrap.dedent(
     import sys
 
     import hydra
+    # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+    VERSION_BASE = {{}} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {{"version_base": "1.3"}}
     from omegaconf import DictConfig
 
 
-    @hydra.main(version_base=None, config_path=None, config_name=None)
+    @hydra.main(**VERSION_BASE, config_path=None, config_name=None)
     def main(cfg: DictConfig) -> None:
         discovered = all(name in sys.modules for name in {discovered!r})
         print(f"REPORT discovered={{discovered}} torch={{'torch' in sys.modules}}")

@@ -44,7 +44,7 @@ N_JOBS = 2
 
 @pytest.mark.timeout(300)
 def test_optuna_sweeper_learns_rank0_values(tmp_path: Path) -> None:
-    requires("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper==1.2.0")
+    requires("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper")
     sweep_dir = tmp_path / "sweep"
     result = run_app(
         APPS / "optuna_app.py",

@@ -15,8 +15,10 @@ MULTIRUN_2_RANKS = ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_n
 HYDRA_APP = """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
 def main(cfg):
     with open(os.path.join(cfg.marker_dir, f"task_{cfg.lr}_{os.environ['RANK']}.json"), "w") as f:
         import json
@@ -153,6 +155,8 @@ def test_launch_prefix_keeps_rank_zeros_return_value(tmp_path: Path) -> None:
         """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 from hydra.experimental.callback import Callback
 
 class Record(Callback):
@@ -160,7 +164,7 @@ class Record(Callback):
         with open(os.path.join(config.hydra.sweep.dir, "returns.txt"), "a") as f:
             f.write(f"{job_return.return_value}\\n")
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     return f"x={cfg.x} rank={os.environ['RANK']}"
 
@@ -186,8 +190,10 @@ if __name__ == "__main__":
 PROGRESS_APP = """
 import os, sys
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     rank = os.environ["RANK"]
     for pct in range(0, 101, 25):

@@ -1,8 +1,10 @@
 """What a user of `hydra/launcher=torchrun` sees: per-job settings, the ranks' world, returns, errors."""
 
 import functools
+import inspect
 import os
 import threading
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -14,6 +16,7 @@ from hydra.test_utils.test_utils import TSweepRunner
 from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.hydra_torchrun_launcher._failures import JobFailedError
+from hydra_plugins.hydra_torchrun_launcher._rank_error import failure_summary
 from tests.conftest import assert_gone, run_app
 
 pytestmark = [pytest.mark.usefixtures("hydra_restore_singletons"), pytest.mark.timeout(240)]
@@ -178,8 +181,17 @@ def test_task_functions_of_every_kind_travel(
     assert [r.return_value for r in returns] == expected
 
 
+def _register_resolver(name: str, resolver: Any) -> None:
+    """OmegaConf 2.4 registers with `register_resolver` (its `register_new_resolver` warns);
+    in 2.3 `register_resolver` is the older, deprecated API."""
+    if "annotation_validation" in inspect.signature(OmegaConf.register_resolver).parameters:
+        OmegaConf.register_resolver(name, resolver, replace=True, annotation_validation="off")
+    else:
+        OmegaConf.register_new_resolver(name, resolver, replace=True)
+
+
 def test_custom_resolver_resolves_in_ranks(hydra_sweep_runner: TSweepRunner, tmp_path: Path) -> None:
-    OmegaConf.register_new_resolver("times_ten", lambda v: int(v) * 10, replace=True)
+    _register_resolver("times_ten", lambda v: int(v) * 10)
     try:
         returns = sweep(
             hydra_sweep_runner,
@@ -195,7 +207,10 @@ def test_custom_resolver_resolves_in_ranks(hydra_sweep_runner: TSweepRunner, tmp
 def _fail_on_rank(cfg: DictConfig) -> int:
     rank = int(os.environ["RANK"])
     if cfg.x == 1 and rank == 1:
-        raise ValueError(f"bad value on rank {rank}")
+        try:
+            _ = {}["missing_key"]
+        except KeyError as e:
+            raise ValueError(f"bad value on rank {rank}") from e
     Path(cfg.marker_dir, f"ran_{cfg.x}_{rank}").touch()
     return rank + 100
 
@@ -204,17 +219,25 @@ def test_failed_rank_fails_its_job_and_the_sweep_goes_on(
     hydra_sweep_runner: TSweepRunner, tmp_path: Path
 ) -> None:
     # Hydra's sweeper re-raises the first failed job's error once the whole batch has run
-    with pytest.raises(JobFailedError) as failure:
+    # the error is the rank's own exception, as the task raised it: type, message, frames, chain
+    with pytest.raises(ValueError) as failure:
         sweep(
             hydra_sweep_runner,
             _fail_on_rank,
             ["hydra.launcher.nproc_per_node=2", "+x=1,2", f"+marker_dir={tmp_path}"],
             tmp_path / "sweep",
         )
-    message = str(failure.value)
-    assert message.startswith("rank 1 (local_rank 1, pid ")
-    assert "ValueError: bad value on rank 1" in message
-    assert "in _fail_on_rank" in str(failure.value.__cause__)  # the rank's traceback, chained
+    error = failure.value
+    assert str(error) == "bad value on rank 1"
+    assert any(frame.name == "_fail_on_rank" for frame in traceback.extract_tb(error.__traceback__))
+    # (by name: Hydra 1.4 rebuilds a chained exception as a stand-in of the same name)
+    assert type(error.__cause__).__name__ == "KeyError" and "missing_key" in str(error.__cause__)
+    assert any(frame.name == "_fail_on_rank" for frame in traceback.extract_tb(error.__cause__.__traceback__))
+    # and the launcher's account of it names the rank first
+    summary = failure_summary(error)
+    assert summary.startswith("rank 1 (local_rank 1, pid ") and "ValueError: bad value on rank 1" in summary
+    assert error.__notes__[0].startswith("rank 1 (local_rank 1, pid ")
+    assert "exited with code 1" in error.__notes__[0] and "bad value" not in error.__notes__[0]
     assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1_0", "ran_2_0", "ran_2_1"]
 
 
@@ -224,6 +247,8 @@ def test_callbacks_fire_once_per_job_in_the_jobs_own_process(tmp_path: Path) -> 
         """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 from hydra.experimental.callback import Callback
 
 class Record(Callback):
@@ -235,7 +260,7 @@ class Record(Callback):
         with open(os.path.join(config.hydra.sweep.dir, "events.txt"), "a") as f:
             f.write(f"end {config.hydra.job.num} {os.getpid()} {job_return.return_value}\\n")
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     print(f"pid of rank {os.environ['RANK']}: {os.getpid()}", flush=True)
     return int(os.environ["RANK"]) + 7
@@ -288,9 +313,11 @@ def test_ranks_log_to_files_of_their_own(tmp_path: Path) -> None:
         """
 import logging, os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 log = logging.getLogger(__name__)
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     log.info(f"hello from rank {os.environ['RANK']}")
 
@@ -318,8 +345,10 @@ def test_multirun_exits_non_zero_when_a_job_failed(tmp_path: Path) -> None:
         """
 import os
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     if cfg.x == 1 and os.environ["RANK"] == "0":
         raise RuntimeError("job one is broken")
@@ -364,8 +393,10 @@ def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, ove
     app.write_text(
         """
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     open("a_rank_ran", "w").close()
 
@@ -398,3 +429,45 @@ def test_return_value_that_cannot_be_pickled_fails_only_its_job(
     with pytest.raises(JobFailedError, match=r"return value \(lock\) cannot be pickled"):
         sweep(hydra_sweep_runner, task, ["+x=1,2", f"+marker_dir={tmp_path}"], tmp_path / "sweep")
     assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_1", "ran_2"]
+
+
+WHITELIST_APP = """
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path=None, execution_whitelist=["fractions.Fraction"])
+def main(cfg: DictConfig) -> None:
+    assert instantiate({"_target_": "fractions.Fraction", "numerator": 1}) == 1
+    try:
+        instantiate({"_target_": "decimal.Decimal", "value": "1"})
+    except Exception as e:
+        print(f"REFUSED {type(e).__name__}")
+    else:
+        print("ALLOWED")
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_ranks_check_instantiate_targets_as_hydras_run_job_does(tmp_path: Path) -> None:
+    """Hydra 1.4's `@hydra.main(execution_whitelist=...)` holds in every rank, as in Hydra's launchers."""
+    import hydra.utils
+
+    if not hasattr(hydra.utils, "execution_whitelist"):
+        pytest.skip("this Hydra (< 1.4) has no execution whitelist")
+    app = tmp_path / "app.py"
+    app.write_text(WHITELIST_APP)
+    # spawn: ranks that share no memory with the job's process, where run_job set the whitelist
+    overrides = [
+        "hydra/launcher=torchrun",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.start_method=spawn",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    result = run_app(app, ["-m", *overrides], cwd=tmp_path)
+    assert result.stdout.count("REFUSED InstantiationException") == 2, result.stdout
+    assert "ALLOWED" not in result.stdout, result.stdout

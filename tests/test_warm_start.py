@@ -34,10 +34,12 @@ import os
 import sys
 
 import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 import torch
 
 
-@hydra.main(version_base=None, config_path=None)
+@hydra.main(**VERSION_BASE, config_path=None)
 def main(cfg):
     record = {
         # the process the rank was forked from had initialised CUDA

@@ -251,7 +251,7 @@ def _compose(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> Di
     assert launcher.hydra_context is not None and launcher.config is not None
     config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
     with open_dict(config):
-        config.hydra.job.id = idx
+        config.hydra.job.id = str(idx)  # a str, as Hydra's own launchers write it
         config.hydra.job.num = idx
         # as run_job will set it, so that launcher keys and ranks see ${hydra:runtime.output_dir}
         config.hydra.runtime.output_dir = os.path.abspath(

@@ -17,6 +17,7 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ._rank_error import read_rank_exception, with_summary
 from ._report import shown_path
 from ._signals import group_signals
 
@@ -165,3 +166,23 @@ def describe(
     if log is not None and log.is_file():
         lines.append(f"its output: {shown_path(str(log), launch_dir)}")
     return JobFailedError("\n".join(lines), _details(root, log))
+
+
+def job_error(
+    error: ChildFailedError, stderr_logs: Optional[List[Path]] = None, launch_dir: Optional[str] = None
+) -> Exception:
+    """The job's error: the root-cause rank's own exception when it left one, else `describe`'s.
+
+    The rank's exception comes with its frames and chain (`_rank_error`), as Hydra's own
+    launchers hand back a task's; it keeps `describe`'s account (rank first) for the
+    launcher's lines and table, and as its first note, without repeating its own message.
+    """
+    failed = describe(error, stderr_logs, launch_dir)
+    _, root = error.get_first_failure()
+    rank_error = read_rank_exception(str(root.error_file)) if _left_error_file(root) else None
+    if not isinstance(rank_error, Exception):
+        return failed
+    first, *rest = failed.message.splitlines()
+    said = f": {_exception_line(root)}"
+    headline = first[: -len(said)] if first.endswith(said) else first
+    return with_summary(rank_error, failed.message, "\n".join([headline, *rest]))

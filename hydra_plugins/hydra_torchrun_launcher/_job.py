@@ -27,7 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from . import _job_preempt
 from ._console import RankConsole
-from ._failures import JobFailedError, describe, stops_interrupt
+from ._failures import JobFailedError, job_error, stops_interrupt
 from ._launch_config import Rendezvous, build_launch_config
 from ._node_exit import keep_rendezvous_handlers, leave_together
 from ._rank_forkserver import start_rank_forkserver
@@ -275,7 +275,7 @@ def _run_agent(job: AgentJob) -> Any:
             _leave_together(job.plan)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
-        failure = describe(e, _stderr_logs(job), job.plan.launch_dir)
+        failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
         failure = _job_preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
             f"the job was stopped by signal {signal.Signals(e.sigval).name}"

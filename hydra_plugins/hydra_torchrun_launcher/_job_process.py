@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import cloudpickle
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
 
@@ -30,6 +30,8 @@ from . import _job_preempt
 from ._failures import stop_requested
 from ._job import JobPlan, run_agent_job
 from ._lifetime import die_with_parent
+from ._private import flush_loggers as _flush_loggers
+from ._rank_error import dumps_job_return
 from ._settings import stop_signal_of
 from ._signals import group_signals, take_dispositions
 
@@ -93,6 +95,9 @@ def _take_launcher_state(request: JobRequest) -> None:
 
 
 def _run(request: JobRequest) -> JobReturn:
+    # the ranks check instantiate() targets as run_job does here (Hydra 1.4)
+    request.plan.payload.execution_whitelist = getattr(request.hydra_context, "execution_whitelist", None)
+
     def distributed_task(task_cfg: DictConfig) -> Any:
         # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start
         return run_agent_job(request.plan, request.devices, request.task_error)
@@ -108,7 +113,7 @@ def _run(request: JobRequest) -> JobReturn:
 
 def _pickled_return(job_return: JobReturn) -> bytes:
     try:
-        return cloudpickle.dumps(job_return)
+        return dumps_job_return(job_return)
     except Exception as e:  # the value or error cannot travel back: say so, as a failed job
         failed = JobReturn(
             overrides=job_return.overrides,

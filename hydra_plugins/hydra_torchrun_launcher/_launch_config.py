@@ -8,6 +8,7 @@ ignored while it has its default and refused, by name, when a user sets it.
 
 import dataclasses
 import hashlib
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from ._settings import JobSettings, LauncherConfigError
 from ._signals import not_ignored
+
+log = logging.getLogger(__name__)
 
 # plugin keys -> the LaunchConfig field that carries each (when torch has it)
 _FIELD_OF_KEY = {
@@ -34,6 +37,15 @@ _FIELD_OF_KEY = {
     "logs_specs": "logs_specs",
 }
 
+
+# what the launcher's defaults promise through a LaunchConfig field; a torch without the
+# field cannot keep it, and the launch says so, once, by name
+_PROMISE_OF_FIELD = {
+    "signals_to_handle": "a signal the launcher was started ignoring (nohup, a background job) "
+    "is handled by the job's agent all the same",
+    "shutdown_timeout": "stopped ranks get torch's 30 s, not hydra.launcher.shutdown_timeout, before SIGKILL",
+}
+_WARNED: Set[str] = set()
 
 _PLACEHOLDER = re.compile(r"(?<!\$)\{(role_name|rank|local_rank)\}")
 
@@ -104,6 +116,10 @@ def check_supported(settings: JobSettings) -> None:
                 f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
                 f"{torch.__version__}; leave it at its default or upgrade torch"
             )
+    for field_name, broken in _PROMISE_OF_FIELD.items():
+        if field_name not in have and field_name not in _WARNED:
+            _WARNED.add(field_name)
+            log.warning(f"torch {torch.__version__} has no LaunchConfig.{field_name}: {broken}")
 
 
 def local_world_size(settings: JobSettings) -> int:
@@ -193,10 +209,10 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], con
             **common, console=console, prefix_template=_prefix_template(conf), label=console_label
         )
     if conf.logs_specs is not None:
-        from torch.distributed.run import _get_logs_specs_class
+        from ._private import logs_specs_class
 
         try:
-            specs_class = _get_logs_specs_class(conf.logs_specs)
+            specs_class = logs_specs_class(conf.logs_specs)
         except ValueError as e:
             raise LauncherConfigError(f"hydra.launcher.logs_specs={conf.logs_specs!r} is invalid: {e}") from e
     return specs_class(**common)

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
+from ._rank_error import failure_summary
+
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
@@ -97,7 +99,7 @@ class SweepReport:
             outcome.error = None
         else:
             outcome.return_value = None
-            outcome.error = str(job_return._return_value)
+            outcome.error = failure_summary(job_return._return_value)
         self.write()
         ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
         line = (

@@ -11,6 +11,7 @@ so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton s
 """
 
 import copy
+import inspect
 import os
 import signal
 import sys
@@ -24,10 +25,12 @@ from typing import Any, Dict, List, Optional
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
-from hydra.core.utils import _flush_loggers, configure_log, setup_globals
+from hydra.core.utils import configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
 from ._lifetime import die_with_parent
+from ._private import flush_loggers as _flush_loggers
+from ._rank_error import write_rank_exception
 from ._rank_forkserver import drop_inherited_forkserver
 from ._stop_files import note_rank_started
 
@@ -45,6 +48,8 @@ class RankPayload:
     failure_grace_s: float = 0.0  # see _linger_before_failing
     # the launcher's stop signal: the job's process acts on it, the rank ignores it
     stop_signal: Optional[int] = None
+    # Hydra 1.4's trusted instantiate() targets (`@hydra.main(execution_whitelist=...)`)
+    execution_whitelist: Any = None
 
 
 def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
@@ -68,7 +73,8 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     setup_globals()
     Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
     rank = int(os.environ.get("RANK", "0"))
-    configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose)
+    configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
+    _enter_execution_whitelist(job.execution_whitelist)
     task = cloudpickle.loads(job.pickled_task)
     try:
         value = task(job.task_cfg)
@@ -77,6 +83,8 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             # on the rank's stderr, as Python prints it for a script under torchrun (from
             # the task's frame on): the console shows it once, with the rank's prefix
             traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+            # and the exception itself, for the job's error (`_rank_error`)
+            write_rank_exception(e, e.__traceback__.tb_next if e.__traceback__ else None)
         _linger_before_failing(job.failure_grace_s)
         raise
     finally:
@@ -90,6 +98,22 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             f"the task function's return value ({type(value).__name__}) cannot be pickled "
             f"to send it back to the launcher: {e}"
         ) from e
+
+
+def _whitelisted(job: RankPayload) -> Dict[str, Any]:
+    """configure_log's execution whitelist, on a Hydra that takes one (1.4), as run_job passes it."""
+    if "execution_whitelist" not in inspect.signature(configure_log).parameters:
+        return {}
+    return {"execution_whitelist": job.execution_whitelist}
+
+
+def _enter_execution_whitelist(whitelist: Any) -> None:
+    """The task's instantiate() calls checked as in Hydra's run_job (1.4), for the rank's life."""
+    try:
+        from hydra.utils import execution_whitelist  # type: ignore[attr-defined]
+    except ImportError:
+        return  # Hydra 1.3: no whitelist
+    execution_whitelist(whitelist, reset=True).__enter__()
 
 
 def _match_torch_threads() -> None:
@@ -169,7 +193,7 @@ def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     """
     server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._warm_server")
     hydra_plugins = sys.modules.get("hydra_plugins")
-    if server is None or server.PLUGINS is None or hydra_plugins is None:
+    if server is None or server.PLUGINS is None or hydra_plugins is None or "instances" not in state:
         return state
     if list(getattr(hydra_plugins, "__path__", [])) != server.SCANNED_PATH:
         return state

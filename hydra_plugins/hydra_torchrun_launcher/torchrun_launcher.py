@@ -1,7 +1,8 @@
 """The launcher Hydra instantiates for `hydra/launcher=torchrun`.
 
 Hydra's discovery imports this module on every run, so torch (and everything that needs
-it) is imported only when a sweep is launched.
+it) is imported only when a sweep is launched. Hydra 1.4 may load it alone, through the
+`hydra.plugins` entry point: it imports `config`, which registers `hydra/launcher=torchrun`.
 """
 
 import logging
@@ -11,6 +12,8 @@ from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
+
+from . import config as config  # noqa: F401  (registers the launcher's config)
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,9 @@ import threading
 import hydra
 from hydra.core.config_store import ConfigStore
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 ConfigStore.instance().store(
     name="config",
     node={"hydra": {"callbacks": {"recorder": {"_target_": "recorder.Recorder"}}}},
@@ -22,4 +25,4 @@ def make_task():
 
 
 if __name__ == "__main__":
-    hydra.main(version_base=None, config_name="config")(make_task())()
+    hydra.main(**VERSION_BASE, config_name="config")(make_task())()

@@ -15,6 +15,9 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 ConfigStore.instance().store(
     name="config",
     node={
@@ -105,7 +108,7 @@ def _scan(marker: str) -> str:
     return "\n".join(found)
 
 
-@hydra.main(version_base=None, config_name="config")
+@hydra.main(**VERSION_BASE, config_name="config")
 def main(cfg):
     rank = int(os.environ["RANK"])
     _record_pid(rank)

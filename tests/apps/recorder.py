@@ -7,6 +7,7 @@ descendant processes and RSS at that moment.
 
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ class Recorder(Callback):
             record["value"] = repr(value)
         else:
             record["error"] = f"{type(value).__name__}: {value}"
-            # what the error chains: the failed rank's traceback
-            record["cause"] = str(value.__cause__) if value.__cause__ is not None else None
+            # the launcher's account of it, rank first (kept on a rank's own exception)
+            record["summary"] = getattr(value, "hydra_torchrun_summary", None) or str(value)
+            # the error as Python prints it: the failed rank's frames, or its traceback chained
+            record["traceback"] = "".join(traceback.format_exception(type(value), value, value.__traceback__))
         _write(config, {**record, **_process_stats()})

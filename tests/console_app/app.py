@@ -12,10 +12,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
 def main(cfg: DictConfig) -> float:
     rank = int(os.environ["RANK"])
     log.info("rank %d of %s starts, lr=%s", rank, os.environ["WORLD_SIZE"], cfg.lr)

@@ -24,6 +24,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader, TensorDataset
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 ConfigStore.instance().store(name="config", node={"epochs": 2, "lr": 0.1, "samples": 64, "batch_size": 8})
 
 APP = os.path.basename(__file__)
@@ -94,7 +97,7 @@ def make_data(samples: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-@hydra.main(version_base="1.3", config_path=None, config_name="config")
+@hydra.main(**VERSION_BASE, config_path=None, config_name="config")
 def fit(cfg: DictConfig) -> float:
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 

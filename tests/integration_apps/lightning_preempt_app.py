@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import hydra.errors
 import lightning as L
 import torch
 from hydra.core.config_store import ConfigStore
@@ -22,6 +23,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DataLoader, TensorDataset
 
 from hydra_plugins.hydra_torchrun_launcher import preemption
+
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
 ConfigStore.instance().store(
     name="config",
@@ -69,7 +73,7 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-@hydra.main(version_base="1.3", config_path=None, config_name="config")
+@hydra.main(**VERSION_BASE, config_path=None, config_name="config")
 def fit(cfg: DictConfig) -> int:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     gen = torch.Generator().manual_seed(0)

@@ -22,6 +22,9 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 ConfigStore.instance().store(name="config", node={"x": 0.0})
 
 
@@ -36,7 +39,7 @@ class RecordReturn(Callback):
         (Path(config.hydra.runtime.output_dir) / "job_return.json").write_text(json.dumps(record))
 
 
-@hydra.main(version_base="1.3", config_path=None, config_name="config")
+@hydra.main(**VERSION_BASE, config_path=None, config_name="config")
 def objective(cfg: DictConfig) -> float:
     import torch
     import torch.distributed as dist

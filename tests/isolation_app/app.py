@@ -18,13 +18,16 @@ import rank_probe
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 with open(Path(__file__).with_name("body_runs.txt"), "a") as _runs:
     _runs.write(f"{os.getpid()} RANK={os.environ.get('RANK')}\n")
 
 MEET_TIMEOUT_S = 120
 
 
-@hydra.main(version_base=None, config_path=".", config_name="config")
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
 def main(cfg: DictConfig) -> dict:
     job_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = os.environ["RANK"]

@@ -13,6 +13,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
 ENV_KEYS = (
     "RANK",
     "LOCAL_RANK",
@@ -26,7 +29,7 @@ ENV_KEYS = (
 )
 
 
-@hydra.main(version_base=None, config_path=".", config_name="node_config")
+@hydra.main(**VERSION_BASE, config_path=".", config_name="node_config")
 def main(cfg: DictConfig) -> dict:
     import torch
     import torch.distributed as dist

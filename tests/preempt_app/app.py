@@ -6,14 +6,18 @@ import signal
 import time
 
 import hydra
+import hydra.errors
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from hydra_plugins.hydra_torchrun_launcher import preemption
 
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
 
-@hydra.main(version_base="1.3", config_path=".", config_name="config")
+
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
 def train(cfg: DictConfig) -> dict:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
