@@ -39,11 +39,19 @@ class _StandIn(Exception):
 _STUB = compile("raise _StandIn", "<rank traceback>", "exec")
 
 
+# the launcher's own modules: their frames are plumbing between Hydra's run_job and the task
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _frames(tb: Optional[TracebackType]) -> _Frames:
+    """The frames of `tb`, less the launcher's own (the rank's entry point, the job process's
+    agent): the traceback a user reads goes from Hydra's run_job straight to the task, as
+    with Hydra's own launchers."""
     frames = []
     while tb is not None:
         code = tb.tb_frame.f_code
-        frames.append((code.co_filename, code.co_name, tb.tb_lineno))
+        if not os.path.abspath(code.co_filename).startswith(_OWN_DIR):
+            frames.append((code.co_filename, code.co_name, tb.tb_lineno))
         tb = tb.tb_next
     return frames
 
