@@ -227,18 +227,6 @@ def test_a_stop_during_a_jobs_rendezvous_ends_it_without_waiting_for_stop_timeou
     assert node.elapsed_s is not None and node.elapsed_s < 60, out
 
 
-def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher(one_of_two_nodes: Cluster) -> None:
-    node, port = _start_first_node(one_of_two_nodes)
-    # before any job, the launcher waits in the rendezvous where the nodes agree
-    wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
-    node.proc.send_signal(signal.SIGUSR2)
-    (node,) = one_of_two_nodes.wait(timeout=60)
-    out = node.output()
-    assert node.proc.returncode == 128 + signal.SIGUSR2, out
-    assert "the sweep was preempted: no job had started (the nodes were agreeing on what to resume)" in out
-    assert "Traceback" not in out, out
-
-
 # --- the README's Lightning recipe ---
 
 
@@ -312,15 +300,23 @@ def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
     assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
 
 
-def test_sigterm_while_the_nodes_agree_ends_the_launcher_on_one_line(one_of_two_nodes: Cluster) -> None:
+@pytest.mark.parametrize("sig, how", [(signal.SIGUSR2, "preempted"), (signal.SIGTERM, "stopped")])
+def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher_on_one_line(
+    one_of_two_nodes: Cluster, sig: int, how: str
+) -> None:
     node, port = _start_first_node(one_of_two_nodes)
+    # before any job, the launcher waits in the rendezvous where the nodes agree
     wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
-    node.proc.send_signal(signal.SIGTERM)
+    node.proc.send_signal(sig)
     (node,) = one_of_two_nodes.wait(timeout=60)
     out = node.output()
-    assert node.proc.returncode == 128 + signal.SIGTERM, out
-    assert out.rstrip().splitlines()[-1] == (
-        "[torchrun launcher] SIGTERM: the sweep was stopped: "
-        "no job had started (the nodes were agreeing on what to resume)"
+    assert node.proc.returncode == 128 + sig, out
+    assert (
+        out.rstrip()
+        .splitlines()[-1]
+        .startswith(
+            f"[torchrun launcher] {signal.Signals(sig).name}: the sweep was {how}: "
+            "no job had started (the nodes were agreeing on what to resume)"
+        )
     ), out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out

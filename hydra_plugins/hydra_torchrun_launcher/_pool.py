@@ -21,7 +21,6 @@ import os
 import selectors
 import signal
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from hydra.core.utils import JobReturn, JobStatus
 
 from ._failures import JobFailedError
 from ._preempt import StopNotice
-from ._signals import group_signals
+from ._signals import group_signals, handled_by
 from ._warm_server import WarmServer
 
 log = logging.getLogger(__name__)
@@ -232,18 +231,8 @@ class _StopRequest:
     @contextmanager
     def handling(self) -> Iterator[None]:
         """Our handler for the group signals the launcher does not ignore (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
+        with handled_by(self._handle, [sig for sig in group_signals() if sig != self._stop_signal]):
             yield
-            return
-        saved = {sig: signal.getsignal(sig) for sig in group_signals() if sig != self._stop_signal}
-        try:
-            for sig, handler in saved.items():
-                if handler != signal.SIG_IGN:
-                    signal.signal(sig, self._handle)
-            yield
-        finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def react_to_stop(stopped: SweepStopped, summary: str) -> None:

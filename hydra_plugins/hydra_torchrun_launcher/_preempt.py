@@ -13,12 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
-from ._signals import group_signals
+from ._signals import group_signals, handled_by
 
 _SCONTROL_TIMEOUT_S = 60
 
@@ -57,35 +56,15 @@ class StopNotice:
         if self.received:
             assert self.signum is not None
             raise StoppedBeforeJobs(self.signum)
-        if threading.current_thread() is not threading.main_thread():
+        with handled_by(self._interrupt, group_signals()):
             yield
-            return
-        saved = {sig: signal.getsignal(sig) for sig in group_signals()}
-        try:
-            for sig, handler in saved.items():
-                if handler != signal.SIG_IGN:
-                    signal.signal(sig, self._interrupt)
-            yield
-        finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     @contextmanager
     def listening(self) -> Iterator["StopNotice"]:
         """Our handler for the stop signal, the launcher's own restored afterwards (main thread
         only; a launcher that ignores the signal keeps ignoring it, and so do its jobs)."""
-        if self.signum is None or threading.current_thread() is not threading.main_thread():
+        with handled_by(self._handle, [] if self.signum is None else [self.signum]):
             yield self
-            return
-        saved = signal.getsignal(self.signum)
-        if saved == signal.SIG_IGN:
-            yield self
-            return
-        signal.signal(self.signum, self._handle)
-        try:
-            yield self
-        finally:
-            signal.signal(self.signum, saved if saved is not None else signal.SIG_DFL)
 
 
 def end_preempted(

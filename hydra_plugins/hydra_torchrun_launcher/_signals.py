@@ -4,7 +4,8 @@ process group."""
 
 import signal
 import threading
-from typing import Any, Callable, Iterable, List, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 GROUP_SIGNALS = "SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
 
@@ -57,3 +58,21 @@ def take_dispositions(ignored: Iterable[int], stop: Optional[Callable[[int, Any]
             signal.signal(sig, stop)
         else:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+@contextmanager
+def handled_by(handler: Callable[[int, Any], Any], signals: Iterable[int]) -> Iterator[None]:
+    """`handler` for each of `signals` this process does not ignore, the previous handlers
+    back afterwards. In the main thread only: Python installs handlers nowhere else."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    try:
+        for sig, previous in saved.items():
+            if previous != signal.SIG_IGN:
+                signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
