@@ -18,7 +18,7 @@ from tests import slurm_cluster
 _LONG_LIVED_HELPERS = (
     "multiprocessing.forkserver",
     "multiprocessing.resource_tracker",
-    "hydra_torchrun_launcher._warm_server",
+    "hydra_torchrun_launcher._server.server",
 )
 EXIT_WAIT_S = 15.0
 

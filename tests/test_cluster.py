@@ -5,7 +5,7 @@ from typing import Dict
 
 import pytest
 
-from hydra_plugins.hydra_torchrun_launcher._cluster import (
+from hydra_plugins.hydra_torchrun_launcher._launcher.cluster import (
     PORT_BASE,
     PORT_SPAN,
     apply_layout,
@@ -14,7 +14,7 @@ from hydra_plugins.hydra_torchrun_launcher._cluster import (
     inspect_environment,
     resolve_cluster,
 )
-from hydra_plugins.hydra_torchrun_launcher._settings import JobSettings, LauncherConfigError
+from hydra_plugins.hydra_torchrun_launcher._launcher.settings import JobSettings, LauncherConfigError
 from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
 JOB = "4242"

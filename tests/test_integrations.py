@@ -19,7 +19,7 @@ import yaml
 from tests.conftest import assert_gone, run_app
 
 APPS = Path(__file__).resolve().parent / "integration_apps"
-MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "_warm_server")
+MP_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "_server.server")
 
 
 def requires(module: str, requirement: str) -> None:
@@ -157,7 +157,7 @@ def test_lightning_ddp_uses_the_launchers_ranks(tmp_path: Path) -> None:
         job_process = under_launcher[job_forkserver["ppid"]]
         warm_server = under_launcher[job_process["ppid"]]
         assert all(
-            "_warm_server" in " ".join(p["cmdline"]) for p in (job_forkserver, job_process, warm_server)
+            "_server.server" in " ".join(p["cmdline"]) for p in (job_forkserver, job_process, warm_server)
         )
         assert warm_server["ppid"] == tree["launcher"]["pid"]
     assert len({rec["tree_while_training"]["ppid"] for rec in records}) == 1

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
-from hydra_plugins.hydra_torchrun_launcher._cluster import derived_port
+from hydra_plugins.hydra_torchrun_launcher._launcher.cluster import derived_port
 from tests.conftest import assert_gone
 
 APP = Path(__file__).parent / "multinode_apps" / "node_app.py"

@@ -10,7 +10,7 @@ import pytest
 from hydra.test_utils.test_utils import TSweepRunner
 from omegaconf import DictConfig
 
-from hydra_plugins.hydra_torchrun_launcher._settings import LauncherConfigError
+from hydra_plugins.hydra_torchrun_launcher._launcher.settings import LauncherConfigError
 from tests.conftest import assert_gone
 from tests.test_launcher import sweep
 

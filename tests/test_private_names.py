@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hydra_plugins.hydra_torchrun_launcher import _private
+from hydra_plugins.hydra_torchrun_launcher._shared import private as _private
 
-PACKAGE = Path(_private.__file__).parent
+# the package root: the public modules and every private folder
+PACKAGE = Path(_private.__file__).parents[1]
 
 
 @pytest.mark.parametrize("entry", _private.PRIVATE_NAMES, ids=lambda e: f"{e.module}:{e.name}")
@@ -29,7 +30,7 @@ def test_listed_name_is_present_here(entry: _private.PrivateName) -> None:
 def test_no_unlisted_private_import() -> None:
     """An underscore name imported from torch, multiprocessing or Hydra is one of the list's."""
     listed = {entry.name.split(".")[0] for entry in _private.PRIVATE_NAMES}
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         for line in path.read_text().splitlines():
             words = line.replace(",", " ").split()
             if words[:1] != ["from"] or words[1].split(".")[0] not in ("torch", "multiprocessing", "hydra"):

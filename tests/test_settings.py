@@ -7,8 +7,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.run import get_args_parser
 
-from hydra_plugins.hydra_torchrun_launcher import _launch_config
-from hydra_plugins.hydra_torchrun_launcher._settings import LauncherConfigError, resolve_settings
+from hydra_plugins.hydra_torchrun_launcher._job import launch_config as _launch_config
+from hydra_plugins.hydra_torchrun_launcher._launcher.settings import LauncherConfigError, resolve_settings
 from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
 # torchrun's own flags, from its own parser (dashes and underscores spelled alike)

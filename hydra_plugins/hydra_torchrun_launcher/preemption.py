@@ -24,7 +24,7 @@ both functions return False.
 import os
 from typing import Any
 
-from ._stop_files import RESUMED_ENV, SEEN, stop_file, touch
+from ._shared.stop_files import RESUMED_ENV, SEEN, stop_file, touch
 
 
 class _Agreement:

@@ -40,14 +40,14 @@ class TorchrunLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from ._warm_server import preload_modules, warm_server
+        from ._server.server import preload_modules, warm_server
 
         # started first, so that its imports (torch, the app's packages) overlap with the
         # launcher's own and with composing and checking the jobs
         preload = preload_modules(self.params.get("preload", "auto"))
         if self.params.get("dry_run") is not True:
             warm_server(preload)
-        from . import _core
+        from ._launcher import core as _core
 
         return _core.launch(
             launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
-from ._rank_error import failure_summary
+from .._rank.error import failure_summary
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,9 @@ class _StandIn(Exception):
 _STUB = compile("raise _StandIn", "<rank traceback>", "exec")
 
 
-# the launcher's own modules: their frames are plumbing between Hydra's run_job and the task
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# the launcher's own modules (this package, all its folders): their frames are plumbing
+# between Hydra's run_job and the task
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _frames(tb: Optional[TracebackType]) -> _Frames:

@@ -25,8 +25,8 @@ import cloudpickle
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
 
-from ._report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, shown_path
-from ._settings import LauncherConfigError
+from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, shown_path
+from .settings import LauncherConfigError
 
 log = logging.getLogger(__name__)
 

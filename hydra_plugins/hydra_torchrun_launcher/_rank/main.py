@@ -1,9 +1,9 @@
 """A rank that runs as a real process: a training script, or a task under a launch prefix.
 
-    python -m hydra_plugins.hydra_torchrun_launcher._rank_main exec SPEC.json
+    python -m hydra_plugins.hydra_torchrun_launcher._rank.main exec SPEC.json
         put the rank into `{rank}` / `{local_rank}` of the
         command, then exec it (same pid, so the agent's signals reach the real program)
-    python -m hydra_plugins.hydra_torchrun_launcher._rank_main task PAYLOAD RETURN_DIR
+    python -m hydra_plugins.hydra_torchrun_launcher._rank.main task PAYLOAD RETURN_DIR
         run the task function from a payload file, as `_worker.run_rank` does in-process
 
 The files live in a private directory (0700, files 0600) of the launcher's and are removed
@@ -17,8 +17,8 @@ import signal
 import sys
 from typing import Dict, List
 
-from hydra_plugins.hydra_torchrun_launcher._lifetime import die_with_parent
-from hydra_plugins.hydra_torchrun_launcher._stop_files import note_rank_started
+from hydra_plugins.hydra_torchrun_launcher._shared.lifetime import die_with_parent
+from hydra_plugins.hydra_torchrun_launcher._shared.stop_files import note_rank_started
 
 
 def substitute_rank(args: List[str], environ: Dict[str, str]) -> List[str]:
@@ -48,7 +48,7 @@ def _task(payload_path: str, return_dir: str) -> None:
     import cloudpickle
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from hydra_plugins.hydra_torchrun_launcher._worker import run_rank
+    from hydra_plugins.hydra_torchrun_launcher._rank.worker import run_rank
 
     with open(payload_path, "rb") as f:
         sys_path, payload = cloudpickle.load(f)

@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional, Set
 import torch
 from torch.distributed.launcher.api import LaunchConfig
 
-from ._settings import JobSettings, LauncherConfigError
-from ._signals import not_ignored
+from .._launcher.settings import JobSettings, LauncherConfigError
+from .._shared.signals import not_ignored
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +203,13 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], con
     # torch's own tee stays in charge where something else reads its tee streams
     torch_tees = conf.logs_specs is not None or conf.duplicate_stdout_filters or conf.duplicate_stderr_filters
     if console is not None and not torch_tees:
-        from ._console import ConsoleLogsSpecs
+        from .console import ConsoleLogsSpecs
 
         return ConsoleLogsSpecs(
             **common, console=console, prefix_template=_prefix_template(conf), label=console_label
         )
     if conf.logs_specs is not None:
-        from ._private import logs_specs_class
+        from .._shared.private import logs_specs_class
 
         try:
             specs_class = logs_specs_class(conf.logs_specs)

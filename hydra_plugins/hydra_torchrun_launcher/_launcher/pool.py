@@ -30,10 +30,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
-from ._failures import JobFailedError
-from ._preempt import StopNotice
-from ._signals import group_signals, handled_by
-from ._warm_server import WarmServer
+from .._job.failures import JobFailedError
+from .._server.server import WarmServer
+from .._shared.signals import group_signals, handled_by
+from .preempt import StopNotice
 
 log = logging.getLogger(__name__)
 

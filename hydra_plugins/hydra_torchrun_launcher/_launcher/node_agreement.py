@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any, Dict, List, Set
 
-from ._node_exit import DEFAULT_PORT, listens_on
+from .._job.node_exit import DEFAULT_PORT, listens_on
 
 AGREE_TIMEOUT_S = 300.0
 _POLL_S = 0.02

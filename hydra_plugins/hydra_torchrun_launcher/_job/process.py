@@ -26,14 +26,14 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
 
-from . import _job_preempt
-from ._failures import stop_requested
-from ._job import JobPlan, run_agent_job
-from ._lifetime import die_with_parent
-from ._private import flush_loggers as _flush_loggers
-from ._rank_error import dumps_job_return
-from ._settings import stop_signal_of
-from ._signals import group_signals, take_dispositions
+from .._launcher.settings import stop_signal_of
+from .._rank.error import dumps_job_return
+from .._shared.lifetime import die_with_parent
+from .._shared.private import flush_loggers as _flush_loggers
+from .._shared.signals import group_signals, take_dispositions
+from . import preempt as _job_preempt
+from .agent import JobPlan, run_agent_job
+from .failures import stop_requested
 
 _FRAME = struct.Struct("=q")
 
@@ -89,7 +89,7 @@ def _take_launcher_state(request: JobRequest) -> None:
     setup_globals()
     # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
     state = cloudpickle.loads(request.plan.payload.pickled_state)
-    from ._worker import with_scanned_plugins
+    from .._rank.worker import with_scanned_plugins
 
     Singleton.set_state(with_scanned_plugins(state))
 

@@ -20,7 +20,7 @@ import socket
 from multiprocessing import connection, forkserver
 from typing import Callable, Optional
 
-from ._signals import ignored_group_signals, take_dispositions
+from .._shared.signals import ignored_group_signals, take_dispositions
 
 log = logging.getLogger(__name__)
 

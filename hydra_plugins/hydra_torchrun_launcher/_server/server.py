@@ -30,8 +30,8 @@ import sysconfig
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from ._lifetime import die_with_parent
-from ._signals import group_signals
+from .._shared.lifetime import die_with_parent
+from .._shared.signals import group_signals
 
 # what every job process imports anyway: done once here, inherited by every fork
 BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api")
@@ -44,7 +44,7 @@ _PID_MESSAGE = struct.Struct("=cqq")  # kind (b"P" started / b"X" exited), pid, 
 _REQUEST = b"J"
 
 _BOOTSTRAP = (
-    "import sys; from hydra_plugins.hydra_torchrun_launcher._warm_server import serve; "
+    "import sys; from hydra_plugins.hydra_torchrun_launcher._server.server import serve; "
     "serve(int(sys.argv[1]))"
 )
 
@@ -132,7 +132,7 @@ def _run_job_process(payload_r: int, result_w: int) -> None:
     """The forked child: run the job, then leave without running the server's cleanup."""
     code = 0
     try:
-        from ._job_process import job_process_main
+        from .._job.process import job_process_main
 
         job_process_main(payload_r, result_w)
     except BaseException:
@@ -168,7 +168,7 @@ def _preload(modules: Sequence[str]) -> Dict[str, Any]:
     """
     import importlib
 
-    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job_process"):
+    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job.process"):
         importlib.import_module(name)
     import torch
 
@@ -305,7 +305,7 @@ def preload_modules(value: Any) -> "tuple[str, ...]":
     by now (Lightning, transformers, ...). The app's own modules are not taken: they are
     cheap to import, and may read torchrun's variables at import, which ranks must see.
     """
-    from ._settings import check_preload
+    from .._launcher.settings import check_preload
 
     check_preload(value)
     if value != "auto":

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from ._signals import signals_named
-from .config import TorchrunLauncherConf
+from .._shared.signals import signals_named
+from ..config import TorchrunLauncherConf
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # torchrun also takes the name of a registered out-of-tree device backend (counted at launch)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from ._stop_files import SEEN, STARTED, touch
+from .._shared.stop_files import SEEN, STARTED, touch
 
 
 class JobPreempted(CompactHydraException, RuntimeError):

@@ -17,9 +17,9 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ._rank_error import read_rank_exception, with_summary
-from ._report import shown_path
-from ._signals import group_signals
+from .._launcher.report import shown_path
+from .._rank.error import read_rank_exception, with_summary
+from .._shared.signals import group_signals
 
 _STDERR_TAIL_LINES = 20
 # what torch puts in ProcessFailure.error_file when the rank left none

@@ -25,20 +25,20 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import _job_preempt
-from ._console import RankConsole
-from ._failures import JobFailedError, job_error, stops_interrupt
-from ._launch_config import Rendezvous, build_launch_config
-from ._node_exit import keep_rendezvous_handlers, leave_together
-from ._rank_forkserver import start_rank_forkserver
-from ._settings import JobSettings, stop_signal_of
-from ._stop_files import RESUMED_ENV, STOP_FILE_ENV
-from ._torch_adjustments import adjust_torch_for_this_job
-from ._worker import RankPayload, run_rank
+from .._launcher.settings import JobSettings, stop_signal_of
+from .._rank.forkserver import start_rank_forkserver
+from .._rank.worker import RankPayload, run_rank
+from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
+from . import preempt as _job_preempt
+from .console import RankConsole
+from .failures import JobFailedError, job_error, stops_interrupt
+from .launch_config import Rendezvous, build_launch_config
+from .node_exit import keep_rendezvous_handlers, leave_together
+from .torch_adjustments import adjust_torch_for_this_job
 
 log = logging.getLogger(__name__)
 
-RANK_MAIN = "hydra_plugins.hydra_torchrun_launcher._rank_main"
+RANK_MAIN = "hydra_plugins.hydra_torchrun_launcher._rank.main"
 # torch's account of its ranks' exits, in the job's dir (made when there is one)
 AGENT_LOG = "torchrun_agent.log"
 

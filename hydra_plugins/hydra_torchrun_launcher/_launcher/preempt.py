@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Mapping, Optional
 
-from ._signals import group_signals, handled_by
+from .._shared.signals import group_signals, handled_by
 
 _SCONTROL_TIMEOUT_S = 60
 

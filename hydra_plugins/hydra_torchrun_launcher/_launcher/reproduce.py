@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ._job import JobPlan, job_log_dir
+from .._job.agent import JobPlan, job_log_dir
 
 RERUN_SCRIPT = "rerun.sh"
 _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

@@ -28,11 +28,11 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
-from ._lifetime import die_with_parent
-from ._private import flush_loggers as _flush_loggers
-from ._rank_error import write_rank_exception
-from ._rank_forkserver import drop_inherited_forkserver
-from ._stop_files import note_rank_started
+from .._shared.lifetime import die_with_parent
+from .._shared.private import flush_loggers as _flush_loggers
+from .._shared.stop_files import note_rank_started
+from .error import write_rank_exception
+from .forkserver import drop_inherited_forkserver
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
@@ -191,7 +191,7 @@ def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     `Singleton.set_state` rescans every plugin module unless the state holds a Plugins
     instance; Hydra leaves it out of the pickled state on purpose.
     """
-    server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._warm_server")
+    server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._server.server")
     hydra_plugins = sys.modules.get("hydra_plugins")
     if server is None or server.PLUGINS is None or hydra_plugins is None or "instances" not in state:
         return state

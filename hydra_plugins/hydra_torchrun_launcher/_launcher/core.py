@@ -21,24 +21,24 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ._cluster import resolve_cluster
-from ._job import JobPlan
-from ._job_preempt import JobPreempted
-from ._job_process import JobRequest, encode_request
-from ._launch_config import check_supported, local_world_size, rendezvous_for
-from ._node_agreement import agree_on_resumption
-from ._pool import SweepStopped, react_to_stop, run_jobs
-from ._preempt import StopNotice, StoppedBeforeJobs, end_preempted
-from ._report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
-from ._reproduce import dry_run_plan, write_rerun_script
-from ._resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
-from ._settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
-from ._signals import ignored_group_signals
-from ._warm_server import checked_warm_server
-from ._worker import RankPayload
+from .._job.agent import JobPlan
+from .._job.launch_config import check_supported, local_world_size, rendezvous_for
+from .._job.preempt import JobPreempted
+from .._job.process import JobRequest, encode_request
+from .._rank.worker import RankPayload
+from .._server.server import checked_warm_server
+from .._shared.signals import ignored_group_signals
+from .cluster import resolve_cluster
+from .node_agreement import agree_on_resumption
+from .pool import SweepStopped, react_to_stop, run_jobs
+from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
+from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
+from .reproduce import dry_run_plan, write_rerun_script
+from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
+from .settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
 
 if TYPE_CHECKING:
-    from .torchrun_launcher import TorchrunLauncher
+    from ..torchrun_launcher import TorchrunLauncher
 
 log = logging.getLogger(__name__)
 
