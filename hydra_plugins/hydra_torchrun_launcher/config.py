@@ -3,7 +3,7 @@
 Hydra imports this module on every run of every app (plugin discovery), so it must stay
 cheap: a dataclass and the ConfigStore only, never torch. The keys mirror torchrun's flags
 (underscore spelling) so that a torchrun command line translates key for key; values are
-checked when a sweep is launched, in `_settings`.
+checked when a sweep is launched, in `_launcher.settings`.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -99,7 +99,7 @@ class TorchrunLauncherConf:
 
 # Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field
 # structured config costs Hydra's start-up about 4 ms on every run of every app. The types
-# are checked, with a message naming the key, when a sweep is launched (`_settings`).
+# are checked, with a message naming the key, when a sweep is launched (`_launcher.settings`).
 ConfigStore.instance().store(
     group="hydra/launcher",
     name="torchrun",

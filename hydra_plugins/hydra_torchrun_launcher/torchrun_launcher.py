@@ -25,7 +25,7 @@ class TorchrunLauncher(Launcher):
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
-        # the sweep's progress and outcomes (`_report.SweepReport`), made at the first launch
+        # the sweep's progress and outcomes (`_launcher.report.SweepReport`), made at the first launch
         self.report: Any = None
 
     def setup(
@@ -40,15 +40,16 @@ class TorchrunLauncher(Launcher):
         self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from ._server.server import preload_modules, warm_server
+        from ._launcher.preload import preload_modules
+        from ._server.server import warm_server
 
         # started first, so that its imports (torch, the app's packages) overlap with the
         # launcher's own and with composing and checking the jobs
         preload = preload_modules(self.params.get("preload", "auto"))
         if self.params.get("dry_run") is not True:
             warm_server(preload)
-        from ._launcher import core as _core
+        from ._launcher import core
 
-        return _core.launch(
+        return core.launch(
             launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
         )

@@ -1,9 +1,9 @@
-"""One sweep job's torch elastic agent, run in the job's own process (`_job_process`).
+"""One sweep job's torch elastic agent, run in the job's own process (`_job.process`).
 
 A job's ranks run one of three things:
-- the task function, in-process (`_worker.run_rank` through the forkserver): the default;
+- the task function, in-process (`_rank.worker.run_rank` through the forkserver): the default;
 - the task function under a `launch_prefix` (`numactl ...`, `nsys profile ...`): each rank
-  is a real process, prefix + python + `_rank_main task`;
+  is a real process, prefix + python + `_rank.main task`;
 - a training script (`training_script`): each rank runs it as torchrun would.
 Real-process ranks get their settings through files in a private directory (0700, files
 0600), removed when the job ends; nothing is ever put into a shell string.
@@ -16,7 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -25,14 +25,14 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .._launcher.settings import JobSettings, stop_signal_of
 from .._rank.forkserver import start_rank_forkserver
-from .._rank.worker import RankPayload, run_rank
+from .._rank.worker import run_rank
+from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
-from . import preempt as _job_preempt
+from . import preempt
 from .console import RankConsole
 from .failures import JobFailedError, job_error, stops_interrupt
-from .launch_config import Rendezvous, build_launch_config
+from .launch_config import build_launch_config
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -41,29 +41,6 @@ log = logging.getLogger(__name__)
 RANK_MAIN = "hydra_plugins.hydra_torchrun_launcher._rank.main"
 # torch's account of its ranks' exits, in the job's dir (made when there is one)
 AGENT_LOG = "torchrun_agent.log"
-
-
-@dataclass
-class JobPlan:
-    """A sweep job, composed and checked, with what its ranks need; built before any rank starts."""
-
-    idx: int
-    overrides: List[str]
-    settings: JobSettings
-    rendezvous: Rendezvous
-    nproc: int
-    output_dir: Path
-    payload: RankPayload
-    # the directory the sweep was launched from: relative script paths and log_dir start there
-    launch_dir: str
-    # what the console puts before each rank's lines ("" or the job's number when jobs overlap)
-    console_label: str = ""
-    # hydra.job.env_set, resolved (Hydra's run_job applies it; kept to show and rerun the job)
-    env_set: Dict[str, str] = field(default_factory=dict)
-    # the job was preempted in an earlier run of the sweep and continues in its job dir
-    resumed: bool = False
-    # what the job computes (the task's source, its config): a record of the same job has it
-    fingerprint: str = ""
 
 
 @dataclass
@@ -259,8 +236,8 @@ def _run_agent(job: AgentJob) -> Any:
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
     the same SignalException; a stop that came earlier stops the job before the agent starts
-    (`_failures.stops_interrupt`). The stop signal asks the ranks to stop at a step boundary
-    instead (`_job_preempt`); the job then ends preempted.
+    (`_job.failures.stops_interrupt`). The stop signal asks the ranks to stop at a step boundary
+    instead (`_job.preempt`); the job then ends preempted.
     """
     conf = job.plan.settings.conf
     failure: Optional[Exception] = None
@@ -269,28 +246,28 @@ def _run_agent(job: AgentJob) -> Any:
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
         with stops_interrupt():
-            _job_preempt.agent_starting(str(job.private_dir / "stop"))
+            preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
-            _job_preempt.agent_ended()
+            preempt.agent_ended()
             _leave_together(job.plan)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
     except SignalException as e:
-        failure = _job_preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
+        failure = preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
             f"the job was stopped by signal {signal.Signals(e.sigval).name}"
         )
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
         )
-    except _job_preempt.StopTimeout:
-        failure = _job_preempt.timed_out()
+    except preempt.StopTimeout:
+        failure = preempt.timed_out()
     finally:
-        _job_preempt.agent_ended()
+        preempt.agent_ended()
         signal.setitimer(signal.ITIMER_REAL, 0)
     if failure is None:
-        preempted = _job_preempt.outcome()
+        preempted = preempt.outcome()
         if preempted is None:
             return _node_return_value(job, outputs)
         failure = preempted
@@ -299,7 +276,7 @@ def _run_agent(job: AgentJob) -> Any:
 
 
 def _leave_together(plan: JobPlan) -> None:
-    """A multi-node job's nodes let its rendezvous store go in order (`_node_exit`)."""
+    """A multi-node job's nodes let its rendezvous store go in order (`_job.node_exit`)."""
     settings = plan.settings
     nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else 0
     leave_together(plan.rendezvous.backend, plan.rendezvous.endpoint, plan.rendezvous.run_id, nodes)

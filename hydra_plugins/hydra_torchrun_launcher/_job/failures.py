@@ -17,8 +17,8 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._launcher.report import shown_path
 from .._rank.error import read_rank_exception, with_summary
+from .._shared.paths import shown_path
 from .._shared.signals import group_signals
 
 _STDERR_TAIL_LINES = 20
@@ -173,7 +173,7 @@ def job_error(
 ) -> Exception:
     """The job's error: the root-cause rank's own exception when it left one, else `describe`'s.
 
-    The rank's exception comes with its frames and chain (`_rank_error`), as Hydra's own
+    The rank's exception comes with its frames and chain (`_rank.error`), as Hydra's own
     launchers hand back a task's; it keeps `describe`'s account (rank first) for the
     launcher's lines and table, and as its first note, without repeating its own message.
     """

@@ -11,13 +11,13 @@ import hashlib
 import logging
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Dict, Optional, Set
 
 import torch
 from torch.distributed.launcher.api import LaunchConfig
 
-from .._launcher.settings import JobSettings, LauncherConfigError
+from .._shared.errors import LauncherConfigError
+from .._shared.plan import JobSettings, Rendezvous
 from .._shared.signals import not_ignored
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,6 @@ _PROMISE_OF_FIELD = {
 _WARNED: Set[str] = set()
 
 _PLACEHOLDER = re.compile(r"(?<!\$)\{(role_name|rank|local_rank)\}")
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    backend: str
-    endpoint: str
-    run_id: str
-    configs: Dict[str, Any]
 
 
 def launch_config_fields() -> Set[str]:

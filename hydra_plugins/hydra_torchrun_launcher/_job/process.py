@@ -1,6 +1,6 @@
 """One sweep job's own process: Hydra's bookkeeping and torch's elastic agent, as torchrun's.
 
-Forked from the warm server (`_warm_server`), so it starts with torch imported, but with
+Forked from the warm server (`_server.server`), so it starts with torch imported, but with
 nothing of any other job: it takes the launcher's environment, working directory and
 signal dispositions as they were when the job started, then lets Hydra's `run_job` do the
 job's bookkeeping here (job dir, `.hydra/`, `env_set`, logging, `on_job_start`/
@@ -26,13 +26,13 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig
 
-from .._launcher.settings import stop_signal_of
 from .._rank.error import dumps_job_return
 from .._shared.lifetime import die_with_parent
+from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
-from . import preempt as _job_preempt
-from .agent import JobPlan, run_agent_job
+from . import preempt
+from .agent import run_agent_job
 from .failures import stop_requested
 
 _FRAME = struct.Struct("=q")
@@ -85,7 +85,7 @@ def _take_launcher_state(request: JobRequest) -> None:
     os.chdir(request.cwd)
     take_dispositions(request.ignored_signals, stop_requested)
     conf = request.plan.settings.conf
-    _job_preempt.listen(stop_signal_of(conf), conf.stop_timeout)
+    preempt.listen(stop_signal_of(conf), conf.stop_timeout)
     setup_globals()
     # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
     state = cloudpickle.loads(request.plan.payload.pickled_state)

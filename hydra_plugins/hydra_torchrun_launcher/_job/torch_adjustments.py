@@ -1,6 +1,6 @@
 """The only places where a job's process changes what torch does, each guarded and measured.
 
-They apply in the job's own process (`_job_process`), which runs one job's elastic agent
+They apply in the job's own process (`_job.process`), which runs one job's elastic agent
 and nothing else, so they never touch the launcher or another job. Each checks that the
 torch it finds has the shape it was written against (checked on torch 2.13 to 2.15) and
 otherwise leaves torch alone, with one warning where a documented promise then does not hold.

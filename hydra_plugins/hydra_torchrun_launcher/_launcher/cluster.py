@@ -26,8 +26,10 @@ from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
 import hostlist
 
+from .._shared.errors import LauncherConfigError
+from .._shared.plan import JobSettings
 from ..config import TorchrunLauncherConf
-from .settings import CLUSTERS, JobSettings, LauncherConfigError, parse_nnodes
+from .settings import CLUSTERS, parse_nnodes
 
 # slurm.h: ids above this are the special steps (pending, extern, batch, interactive)
 SLURM_MAX_NORMAL_STEP_ID = 0xFFFFFFF0

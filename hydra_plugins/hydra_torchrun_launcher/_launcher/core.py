@@ -3,9 +3,9 @@
 First every job is composed and its launcher settings resolved from its own config (so
 launcher keys may interpolate swept values) and checked: a bad setting stops the sweep
 before any process starts. Then each job runs in a process of its own, forked from the
-launcher's warm server (`_warm_server`), where Hydra's `run_job` does the job's bookkeeping
-and torch's elastic agent runs its ranks (`_job_process`). Up to `parallel_jobs` such
-processes run at once (`_pool`); the same code path runs one at a time.
+launcher's warm server (`_server.server`), where Hydra's `run_job` does the job's bookkeeping
+and torch's elastic agent runs its ranks (`_job.process`). Up to `parallel_jobs` such
+processes run at once (`_launcher.pool`); the same code path runs one at a time.
 """
 
 import copy
@@ -13,34 +13,45 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from .._job.agent import JobPlan
 from .._job.launch_config import check_supported, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
 from .._job.process import JobRequest, encode_request
-from .._rank.worker import RankPayload
 from .._server.server import checked_warm_server
+from .._shared.errors import LauncherConfigError
+from .._shared.paths import shown_path
+from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals
 from .cluster import resolve_cluster
 from .node_agreement import agree_on_resumption
 from .pool import SweepStopped, react_to_stop, run_jobs
 from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
-from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, shown_path
+from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport
 from .reproduce import dry_run_plan, write_rerun_script
 from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
-from .settings import JobSettings, LauncherConfigError, resolve_settings, stop_signal_of
-
-if TYPE_CHECKING:
-    from ..torchrun_launcher import TorchrunLauncher
+from .settings import resolve_settings
 
 log = logging.getLogger(__name__)
+
+
+class SweepLauncher(Protocol):
+    """What a launch needs of Hydra's launcher object (`TorchrunLauncher`): what Hydra's
+    `setup` gave it, and the sweep's report, kept there across a sweeper's batches. A
+    protocol, so that this module never imports the public module that imports it."""
+
+    config: Optional[DictConfig]
+    hydra_context: Optional[HydraContext]
+    task_function: Optional[TaskFunction]
+    report: Any
+
 
 # after its job_timeout, how long a job process may take beyond its ranks' shutdown
 _STOP_MARGIN_S = 30.0
@@ -50,7 +61,7 @@ _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run", "stop_sign
 
 
 def launch(
-    launcher: "TorchrunLauncher",
+    launcher: "SweepLauncher",
     job_overrides: Sequence[Sequence[str]],
     initial_job_idx: int,
     preload: "tuple[str, ...]",
@@ -103,7 +114,7 @@ def launch(
 
 
 def _run_plans(
-    launcher: "TorchrunLauncher",
+    launcher: "SweepLauncher",
     plans: List[JobPlan],
     configs: Dict[int, DictConfig],
     parallel_jobs: int,
@@ -205,7 +216,7 @@ def _run_plans(
 
 
 def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any) -> None:
-    """The sweep ends preempted (`_preempt.end_preempted`)."""
+    """The sweep ends preempted (`_launcher.preempt.end_preempted`)."""
     assert notice.signum is not None
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
 
@@ -219,7 +230,7 @@ def _status_of(job_return: JobReturn, stopped: bool) -> str:
     return STOPPED if stopped else FAILED
 
 
-def _report_of(launcher: "TorchrunLauncher", sweep_dir: Path, resuming: bool) -> SweepReport:
+def _report_of(launcher: "SweepLauncher", sweep_dir: Path, resuming: bool) -> SweepReport:
     """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file;
     when it may resume, it starts from the record the sweep dir holds."""
     if launcher.report is None or launcher.report.path.parent != sweep_dir:
@@ -246,7 +257,7 @@ def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
         )
 
 
-def _compose(launcher: "TorchrunLauncher", overrides: List[str], idx: int) -> DictConfig:
+def _compose(launcher: "SweepLauncher", overrides: List[str], idx: int) -> DictConfig:
     """The job's config as run_job will see it."""
     assert launcher.hydra_context is not None and launcher.config is not None
     config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)

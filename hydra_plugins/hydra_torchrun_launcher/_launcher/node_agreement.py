@@ -7,7 +7,7 @@ other waiting in a rendezvous nobody joins. So before a resumed launch every nod
 publishes what its record says, through a rendezvous of torch's own (the sweep's backend
 and endpoint, an id of its own), and all take the same answer: a job is completed only
 where every node's record says so; it continues as preempted where any node's says so.
-The node that hosts the rendezvous store lets it go last (as `_node_exit` does for jobs),
+The node that hosts the rendezvous store lets it go last (as `_job.node_exit` does for jobs),
 and before the first job's agent needs the endpoint's port.
 """
 

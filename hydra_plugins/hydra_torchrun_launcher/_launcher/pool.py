@@ -219,7 +219,7 @@ class _StopRequest:
     def __init__(self, forward: Callable[[int], Any], stop_signal: Optional[int]) -> None:
         self.signum: Optional[int] = None
         self._forward = forward
-        self._stop_signal = stop_signal  # a preemption notice, not a stop (`_preempt`)
+        self._stop_signal = stop_signal  # a preemption notice, not a stop (`_launcher.preempt`)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is None:

@@ -2,7 +2,7 @@
 
 While a launch runs, the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
 `--signal=USR2@120` sends it to every srun task, i.e. to the launcher on every node) is a
-notice, not a kill: it is passed on to every running job's process (`_job_preempt`), whose
+notice, not a kill: it is passed on to every running job's process (`_job.preempt`), whose
 ranks stop at a step boundary; no further job starts. When the running jobs have ended the
 launcher records the sweep, requeues the SLURM batch job when it should, and ends with one
 line saying how the sweep resumes, and the signal's exit status (128 + its number).

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
 from .._rank.error import failure_summary
+from .._shared.paths import shown_path
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class JobOutcome:
     # the job's error, whole (first line: what failed and how)
     error: Optional[str]
     job_dir: str
-    # what the job computes (`_resume.fingerprint`): a resumed sweep reruns a job whose differs
+    # what the job computes (`_launcher.resume.fingerprint`): a resumed sweep reruns a job whose differs
     fingerprint: str = ""
 
 
@@ -192,10 +193,3 @@ def _short(value: Any) -> str:
 
 def _cut(text: str) -> str:
     return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
-
-
-def shown_path(path: str, start: Optional[str] = None) -> str:
-    """A path as the user types it from where they launched (`start`, else this process's
-    working dir): relative when below it, else as it is."""
-    relative = os.path.relpath(path, start)
-    return path if relative.startswith("..") else relative

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._job.agent import JobPlan, job_log_dir
+from .._job.agent import job_log_dir
+from .._shared.plan import JobPlan
 
 RERUN_SCRIPT = "rerun.sh"
 _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"

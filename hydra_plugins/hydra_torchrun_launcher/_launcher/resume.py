@@ -1,6 +1,6 @@
 """Resuming a sweep from its record: which jobs are done, which continue, which run.
 
-The record is the sweep dir's `sweep_summary.json` (`_report`) plus, for every completed
+The record is the sweep dir's `sweep_summary.json` (`_launcher.report`) plus, for every completed
 job, its pickled `JobReturn` in `<job dir>/.hydra/job_return.pkl` (beside Hydra's own
 account of the job; owner-only: a pickle is code, and only this user may have written it).
 When the same sweep runs again in the same sweep dir (a requeued SLURM job, a user running
@@ -25,8 +25,9 @@ import cloudpickle
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
 
-from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, shown_path
-from .settings import LauncherConfigError
+from .._shared.errors import LauncherConfigError
+from .._shared.paths import shown_path
+from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome
 
 log = logging.getLogger(__name__)
 

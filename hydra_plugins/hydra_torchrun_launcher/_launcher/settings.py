@@ -9,13 +9,14 @@ import re
 import signal
 import typing
 from collections import abc
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from importlib.metadata import entry_points
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
+from .._shared.errors import LauncherConfigError
+from .._shared.plan import JobSettings
 from .._shared.signals import signals_named
 from ..config import TorchrunLauncherConf
 
@@ -31,31 +32,8 @@ CLUSTERS = ("auto", "none", "slurm")
 _STD_SPEC = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")
 
 
-class LauncherConfigError(CompactHydraException, ValueError):
-    """A launcher setting a user gave that cannot work; its message names the key.
-
-    Hydra prints a CompactHydraException as its message alone: one line, no stack.
-    """
-
-
 def _refuse(key: str, value: Any, allowed: str) -> LauncherConfigError:
     return LauncherConfigError(f"hydra.launcher.{key}={value!r} is invalid: {allowed}")
-
-
-@dataclass(frozen=True)
-class JobSettings:
-    """The launcher config of one sweep job, plus the values derived from it."""
-
-    conf: TorchrunLauncherConf
-    min_nodes: int
-    max_nodes: int
-    rdzv_conf: Dict[str, Any]
-    local_ranks_filter: Optional[Set[int]]
-
-    def changed_from_default(self) -> Dict[str, Any]:
-        """Keys whose value differs from the plugin's default (to refuse unsupported ones)."""
-        default = asdict(TorchrunLauncherConf())
-        return {k: v for k, v in asdict(self.conf).items() if v != default[k]}
 
 
 def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
@@ -248,11 +226,6 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
     _check_stop_keys(conf)
     if conf.devices is not None and len(set(map(str, conf.devices))) != len(conf.devices):
         raise _refuse("devices", conf.devices, "list each device id once")
-
-
-def stop_signal_of(conf: TorchrunLauncherConf) -> Optional[signal.Signals]:
-    """The `stop_signal` as a signal (checked by `_check_stop_keys`); None when off."""
-    return None if conf.stop_signal is None else signals_named(conf.stop_signal)[0]
 
 
 def _check_stop_keys(conf: TorchrunLauncherConf) -> None:

@@ -12,7 +12,7 @@ source lines; the trip from the job's process to the launcher keeps them the sam
 The job's error is still said first as "rank 1 (local_rank 1, pid N) exited with code 1":
 in the launcher's line and table (`failure_summary`) and as the exception's first note.
 A failure with no Python exception (a signal, an exit code, a script) stays a
-`_failures.JobFailedError`.
+`_job.failures.JobFailedError`.
 """
 
 import os

@@ -4,7 +4,7 @@
         put the rank into `{rank}` / `{local_rank}` of the
         command, then exec it (same pid, so the agent's signals reach the real program)
     python -m hydra_plugins.hydra_torchrun_launcher._rank.main task PAYLOAD RETURN_DIR
-        run the task function from a payload file, as `_worker.run_rank` does in-process
+        run the task function from a payload file, as `_rank.worker.run_rank` does in-process
 
 The files live in a private directory (0700, files 0600) of the launcher's and are removed
 after the job. The `exec` stage imports nothing heavy: it runs once per rank before the

@@ -17,7 +17,6 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -29,27 +28,13 @@ from hydra.core.utils import configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
 
 from .._shared.lifetime import die_with_parent
+from .._shared.plan import RankPayload
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.stop_files import note_rank_started
 from .error import write_rank_exception
 from .forkserver import drop_inherited_forkserver
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
-
-
-@dataclass
-class RankPayload:
-    pickled_task: bytes  # cloudpickled once per sweep
-    pickled_state: bytes  # Hydra's Singleton state with this job's config, cloudpickled
-    task_cfg: DictConfig
-    job_logging: Optional[Dict[str, Any]]  # hydra.job_logging, resolved
-    job_num: int
-    overrides: List[str]
-    failure_grace_s: float = 0.0  # see _linger_before_failing
-    # the launcher's stop signal: the job's process acts on it, the rank ignores it
-    stop_signal: Optional[int] = None
-    # Hydra 1.4's trusted instantiate() targets (`@hydra.main(execution_whitelist=...)`)
-    execution_whitelist: Any = None
 
 
 def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
@@ -83,7 +68,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             # on the rank's stderr, as Python prints it for a script under torchrun (from
             # the task's frame on): the console shows it once, with the rank's prefix
             traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
-            # and the exception itself, for the job's error (`_rank_error`)
+            # and the exception itself, for the job's error (`_rank.error`)
             write_rank_exception(e, e.__traceback__.tb_next if e.__traceback__ else None)
         _linger_before_failing(job.failure_grace_s)
         raise

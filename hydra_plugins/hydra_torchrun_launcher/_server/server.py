@@ -1,7 +1,7 @@
 """The warm server: one process per launcher that has torch imported and forks every job.
 
 Each sweep job runs in a process of its own (its "job process": Hydra's `run_job` and
-torch's elastic agent, see `_job_process`), so jobs running at once share no
+torch's elastic agent, see `_job.process`), so jobs running at once share no
 process-global state. Starting that process with a fresh `import torch` would cost
 seconds per job; forking it from the launcher would copy the launcher's threads and
 half-finished state. So the launcher starts this server once (a fresh interpreter,
@@ -21,12 +21,10 @@ dispositions back. It dies with the launcher (parent-death signal, or the socket
 import os
 import pickle
 import signal
-import site
 import socket
 import struct
 import subprocess
 import sys
-import sysconfig
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -104,7 +102,7 @@ def serve(fd: int) -> None:
                 os._exit(0)
             payload_r, result_w, *stdio = fds
             # the child starts with the group signals blocked, not ignored: a stop sent before
-            # it has taken the launcher's handlers is held for it (`_job_process`)
+            # it has taken the launcher's handlers is held for it (`_job.process`)
             signal.pthread_sigmask(signal.SIG_BLOCK, group_signals())
             pid = os.fork()
             if pid != 0:
@@ -290,41 +288,6 @@ class WarmServer:
     def close(self) -> None:
         self._sock.close()
         self._process.wait()
-
-
-# imported by the warm server in any case, or never worth preloading
-_NOT_PRELOADED = frozenset(
-    {"torch", "hydra", "omegaconf", "hydra_plugins", "cloudpickle", "pytest", "pip", "setuptools"}
-)
-
-
-def preload_modules(value: Any) -> "tuple[str, ...]":
-    """The modules the warm server imports besides torch (see the `preload` key).
-
-    `auto`: the top-level packages, installed in site-packages, that the app has imported
-    by now (Lightning, transformers, ...). The app's own modules are not taken: they are
-    cheap to import, and may read torchrun's variables at import, which ranks must see.
-    """
-    from .._launcher.settings import check_preload
-
-    check_preload(value)
-    if value != "auto":
-        return tuple(value)
-    roots = tuple(
-        os.path.join(path, "")
-        for path in {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
-        if "site-packages" in path or "dist-packages" in path
-    )
-    names = set()
-    for name, module in list(sys.modules.items()):
-        if "." in name or name.startswith("_") or name in _NOT_PRELOADED:
-            continue
-        origin = getattr(getattr(module, "__spec__", None), "origin", None) or getattr(
-            module, "__file__", None
-        )
-        if isinstance(origin, str) and origin.startswith(roots):
-            names.add(name)
-    return tuple(sorted(names))
 
 
 _server: Optional[WarmServer] = None

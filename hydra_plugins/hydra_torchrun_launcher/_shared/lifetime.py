@@ -14,7 +14,7 @@ def die_with_parent() -> None:
     The agent stops ranks itself; this is the backstop for when the launcher is killed
     outright (SIGKILL, OOM) or a second Ctrl-C interrupts the agent's own shutdown, so a
     rank never outlives its sweep holding GPU memory. It survives exec, so a script or a
-    wrapper started by `_rank_main` keeps it.
+    wrapper started by `_rank.main` keeps it.
     """
     if not sys.platform.startswith("linux"):
         return

@@ -25,47 +25,47 @@ PRIVATE_NAMES = (
     PrivateName(
         "multiprocessing.forkserver",
         "_forkserver._forkserver_address",
-        "_rank_forkserver",
+        "_rank.forkserver",
         "ranks come from multiprocessing's own forkserver (cold: torch imported per job), with a warning",
     ),
     *(
-        PrivateName("multiprocessing.forkserver", f"_forkserver.{name}", "_rank_forkserver", "as above")
+        PrivateName("multiprocessing.forkserver", f"_forkserver.{name}", "_rank.forkserver", "as above")
         for name in ("_forkserver_alive_fd", "_forkserver_pid")
     ),
     PrivateName(
         "torch.distributed.run",
         "_get_logs_specs_class",
-        "_launch_config (logs_specs)",
+        "_job.launch_config (logs_specs)",
         "the `torchrun.logs_specs` entry points are read directly, as torch does",
     ),
     PrivateName(
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
         "_delay",
-        "_torch_adjustments",
+        "_job.torch_adjustments",
         "single-node c10d jobs keep torch's random 0-0.3 s start-up skew",
     ),
     PrivateName(
         "hydra.core.utils",
         "_flush_loggers",
-        "_worker, _job_process",
+        "_rank.worker, _job.process",
         "every handler of Python's logging is flushed here instead",
     ),
     PrivateName(
         "hydra.core.utils",
         "JobReturn._return_value",
-        "_report, _job_process, _rank_error",
+        "_launcher.report, _job.process, _rank.error",
         "a dataclass field: the only way to read a failed job's error without raising it",
     ),
     PrivateName(
         "hydra.core.singleton",
         "Singleton._instances",
-        "_worker.with_scanned_plugins (the 'instances' key of Singleton.get_state())",
+        "_rank.worker.with_scanned_plugins (the 'instances' key of Singleton.get_state())",
         "every job process and rank scans Hydra's plugins again (a slower start)",
     ),
     PrivateName(
         "hydra._internal.core_plugins.basic_sweeper",
         "BasicSweeper",
-        "_reproduce (compared as a string only)",
+        "_launcher.reproduce (compared as a string only)",
         "rerun.sh names the sweeper's overrides as Hydra gave them",
     ),
 )

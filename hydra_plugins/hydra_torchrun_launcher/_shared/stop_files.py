@@ -7,7 +7,7 @@ a launch prefix, and on every node (each node's job process has its own):
 - `stop.started`: a rank of the job has started (a stop before that interrupts the job's
   rendezvous instead of waiting for ranks that never run);
 - `stop.seen`: a rank's `should_stop()` said True: the job stopped at a step boundary.
-Imports nothing heavy: the rank-side API and `_rank_main`'s exec stage use it.
+Imports nothing heavy: the rank-side API and `_rank.main`'s exec stage use it.
 """
 
 import os
