@@ -89,11 +89,14 @@ def test_concurrent_jobs_each_see_only_their_own_world(tmp_path: Path, how: List
         outcome = json.loads((sweep_dir / str(job) / "on_job_end.json").read_text())
         assert outcome["status"] == "COMPLETED"
         assert outcome["value"] == repr({"x": x, "rank": 0, "attempt": 0})
-    # the app's module body ran once, in the launcher: never again in a job or a rank
-    assert (app_dir / "body_runs.txt").read_text().splitlines() == [
-        line for line in (app_dir / "body_runs.txt").read_text().splitlines() if "RANK=None" in line
-    ]
-    assert len((app_dir / "body_runs.txt").read_text().splitlines()) == 1
+    # the app's module body ran in the launcher (Hydra's run of the script) and, as under
+    # torchrun, once in every rank, with the rank's own RANK from its first line; never in
+    # a job's process or the warm server
+    runs = (app_dir / "body_runs.txt").read_text().splitlines()
+    rank_pids = {str(r["pid"]): str(rank) for job in (0, 1) for rank, r in _records(sweep_dir, job).items()}
+    assert [line for line in runs if line.endswith("RANK=None")] == [runs[0]], runs
+    assert sorted(line.split()[0] for line in runs[1:]) == sorted(rank_pids), runs
+    assert all(line.split()[1] == f"RANK={rank_pids[line.split()[0]]}" for line in runs[1:]), runs
     # console lines of jobs running at once say which job they come from
     assert "[#0 default0]:hello from job 1 rank 0" in result.stdout
     assert "[#1 default1]:hello from job 10 rank 1" in result.stdout

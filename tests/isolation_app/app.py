@@ -9,14 +9,19 @@ The app's module body appends a line to `body_runs.txt` each time it runs.
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
-import hydra
-import psutil  # noqa: F401  (an installed package the app imports: what `preload: auto` takes)
-import rank_probe
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+# before the script imports it: in a rank, psutil is there already only if the warm server
+# preloaded it (a rank runs this body as torchrun's ranks do)
+PSUTIL_PRELOADED = "psutil" in sys.modules
+
+import hydra  # noqa: E402
+import psutil  # noqa: E402, F401  (an installed package the app imports: what `preload: auto` takes)
+import rank_probe  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
 VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
@@ -42,8 +47,7 @@ def main(cfg: DictConfig) -> dict:
         "job_started": (job_dir / "on_job_start.txt").is_file(),
         "attempt": attempt,
         "pid": os.getpid(),
-        # psutil's C extension is mapped in this rank only if the warm server preloaded it
-        "psutil_preloaded": "_psutil_linux" in Path("/proc/self/maps").read_text(),
+        "psutil_preloaded": PSUTIL_PRELOADED,
     }
     print(f"hello from job {cfg.x} rank {rank}", flush=True)
     (job_dir / f"started_rank{rank}").touch()

@@ -89,7 +89,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
         stop_forkserver = (
-            start_rank_forkserver(ranks_ignore=stop_signal_of(conf))
+            start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))
             if conf.start_method == "forkserver"
             else (lambda: None)
         )

@@ -28,7 +28,7 @@ from .._job.process import JobRequest, encode_request
 from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
-from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
+from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals
 from .cluster import resolve_cluster
 from .node_agreement import agree_on_resumption
@@ -38,6 +38,7 @@ from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport
 from .reproduce import dry_run_plan, write_rerun_script
 from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
 from .settings import resolve_settings
+from .task import app_script, pickle_task
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ def launch(
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_key = str(sweep_dir.resolve())
 
-    pickled_task, task_error = _pickle_task(launcher.task_function)
+    pickled_task, task_error = pickle_task(launcher.task_function)
+    script = app_script(launcher.task_function)
+    if script is not None and script.task_name is not None:
+        task_error = None  # each rank finds the task by name in the script it runs
     task_source = source_digest(launcher.task_function, pickled_task)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
@@ -88,7 +92,7 @@ def launch(
         with _hydra_config(config):
             try:
                 settings, note = _checked_settings(config)
-                plan = _plan(config, settings, pickled_task, sweep_key)
+                plan = _plan(config, settings, pickled_task, script, sweep_key)
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
@@ -246,17 +250,6 @@ def _hard_limit_s(plan: JobPlan) -> Optional[float]:
     return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S
 
 
-def _pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
-    """The task function, cloudpickled once per sweep; or why it cannot travel to the ranks."""
-    try:
-        return cloudpickle.dumps(task_function), None
-    except Exception as e:
-        return b"", (
-            f"the task function cannot be pickled for the ranks ({type(e).__name__}: {e}); "
-            "a task holding a lock, an open file or a socket cannot travel to another process"
-        )
-
-
 def _compose(launcher: "SweepLauncher", overrides: List[str], idx: int) -> DictConfig:
     """The job's config as run_job will see it."""
     assert launcher.hydra_context is not None and launcher.config is not None
@@ -288,7 +281,13 @@ def _keys_set(config: DictConfig) -> Set[str]:
     return keys
 
 
-def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_key: str) -> JobPlan:
+def _plan(
+    config: DictConfig,
+    settings: JobSettings,
+    pickled_task: bytes,
+    script: Optional[AppScript],
+    sweep_key: str,
+) -> JobPlan:
     """What the job's ranks need, captured now: Hydra's global state is this job's only here.
 
     Called with HydraConfig set to `config`.
@@ -321,6 +320,7 @@ def _plan(config: DictConfig, settings: JobSettings, pickled_task: bytes, sweep_
             overrides=overrides,
             failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
             stop_signal=stop_signal_of(settings.conf),
+            script=script,
         ),
         launch_dir=os.getcwd(),
         env_set={

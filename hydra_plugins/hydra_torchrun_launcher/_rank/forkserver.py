@@ -17,7 +17,7 @@ import inspect
 import logging
 import os
 import socket
-from multiprocessing import connection, forkserver
+from multiprocessing import forkserver
 from typing import Callable, Optional
 
 from .._shared.signals import ignored_group_signals, take_dispositions
@@ -53,8 +53,12 @@ def drop_inherited_forkserver() -> None:
     os.close(alive_fd)
 
 
-def start_rank_forkserver(ranks_ignore: Optional[int] = None) -> Callable[[], None]:
+def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -> Callable[[], None]:
     """Fork the job's forkserver and point multiprocessing at it; returns how to stop it.
+
+    `socket_dir`: a private directory for the server's socket, removed with the job (the
+    address multiprocessing would choose lies in a `pymp-*` dir that only an orderly
+    interpreter exit removes, and a job process leaves with `os._exit`).
 
     `ranks_ignore`: a signal the server and its ranks ignore (the stop signal, which SLURM
     sends to every process of a step: it is the job process's to act on).
@@ -67,7 +71,7 @@ def start_rank_forkserver(ranks_ignore: Optional[int] = None) -> Callable[[], No
         return lambda: None
     client = forkserver._forkserver  # type: ignore[attr-defined]
     listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
+    address = os.path.join(socket_dir, "forkserver")
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()

@@ -1,13 +1,14 @@
-"""What runs in every rank: rebuild the job's Hydra world, run the task, hand back its value.
+"""What runs in every rank: the app's script, the job's Hydra world, the task, its value.
 
 The elastic agent of the job's process starts `run_rank` in each worker process (forked
 from the job's warm forkserver, spawned, or forked from the job process). The rank
 inherits the job process's environment and working dir (env_set, chdir, devices), and
-torch has set RANK, LOCAL_RANK, ... before `run_rank` runs: the app's modules, imported
-when the task is unpickled, see them from their first line. Everything the rank needs travels as
-one `RankPayload`, passed in memory, whose task function and Hydra state were pickled with
-cloudpickle: tasks defined in `__main__`, closures, lambdas and partials all survive, and
-so do the app's custom OmegaConf resolvers (they are part of Hydra's Singleton state).
+torch has set RANK, LOCAL_RANK, ... before `run_rank` runs. The rank then starts as
+torchrun's would (`_rank.script`): a fresh random state, the app's script body run as its
+`__main__` (module-level set-up, `sys.argv`), the task the body defines. Everything else
+the rank needs travels as one `RankPayload`, passed in memory, whose Hydra state (with the
+app's custom OmegaConf resolvers) was pickled with cloudpickle, and so was the task for
+the cases the script does not define by name (lambdas, closures, partials).
 """
 
 import copy
@@ -33,6 +34,7 @@ from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.stop_files import note_rank_started
 from .error import write_rank_exception
 from .forkserver import drop_inherited_forkserver
+from .script import fresh_random_state, run_script, task_function
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
@@ -54,13 +56,15 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     job: RankPayload = cloudpickle.loads(payload)
     if job.stop_signal is not None:
         signal.signal(job.stop_signal, signal.SIG_IGN)
+    fresh_random_state()
+    run_script(job.script, job.overrides)
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
     Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
     rank = int(os.environ.get("RANK", "0"))
     configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
     _enter_execution_whitelist(job.execution_whitelist)
-    task = cloudpickle.loads(job.pickled_task)
+    task = task_function(job.script, job.pickled_task)
     try:
         value = task(job.task_cfg)
     except BaseException as e:

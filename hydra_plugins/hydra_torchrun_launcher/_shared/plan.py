@@ -47,6 +47,21 @@ class Rendezvous:
     configs: Dict[str, Any]
 
 
+@dataclass(frozen=True)
+class AppScript:
+    """The app's script as every rank runs it, the way torchrun's ranks run it.
+
+    Exactly one of `path` (`python app.py`, absolute) and `module` (`python -m pkg.app`) is
+    set. `task_name` is the task function's qualified name in the script, when the body
+    defines it there (found by name in the rank); None: the task travels by value.
+    """
+
+    path: Optional[str]
+    module: Optional[str]
+    argv0: str  # sys.argv[0] as the launcher has it (as typed, or the module's file)
+    task_name: Optional[str]
+
+
 @dataclass
 class RankPayload:
     """What every rank of a job needs to run the task as the job's Hydra world sees it."""
@@ -62,6 +77,8 @@ class RankPayload:
     stop_signal: Optional[int] = None
     # Hydra 1.4's trusted instantiate() targets (`@hydra.main(execution_whitelist=...)`)
     execution_whitelist: Any = None
+    # the script every rank runs as `__mp_main__` first; None where there is none (python -c)
+    script: Optional[AppScript] = None
 
 
 @dataclass
