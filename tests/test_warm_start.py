@@ -78,8 +78,8 @@ def test_a_module_that_initialises_cuda_is_never_preloaded(tmp_path: Path) -> No
     )
     output = result.stdout + result.stderr
     warning = (
-        "hydra.launcher.preload: importing gpu_lib initialises CUDA, which forked ranks could not use; "
-        "it is not preloaded"
+        "hydra.launcher.preload: gpu_lib is not preloaded: importing it initialises CUDA, which forked ranks "
+        "could not use; ranks import it themselves"
     )
     assert output.count(warning) == 1, output
     for job in (0, 1):

@@ -32,7 +32,7 @@ from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
 from . import preempt
 from .console import RankConsole
 from .failures import JobFailedError, job_error, stops_interrupt
-from .launch_config import build_launch_config
+from .launch_config import agent_environment, build_launch_config
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -88,6 +88,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             os.environ[STOP_FILE_ENV] = str(private_dir / "stop")
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
+        os.environ.update(agent_environment(plan.settings))
         stop_forkserver = (
             start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))
             if conf.start_method == "forkserver"

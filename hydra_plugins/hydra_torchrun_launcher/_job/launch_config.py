@@ -128,6 +128,15 @@ def local_world_size(settings: JobSettings) -> int:
         raise LauncherConfigError(f"hydra.launcher.nproc_per_node={value!r} is invalid here: {reason}") from e
 
 
+def agent_environment(settings: JobSettings) -> Dict[str, str]:
+    """What torch's `launch_agent` puts into its own process's environment before it starts
+    the ranks (torch/distributed/launcher/api.py), for ranks that come from a forkserver
+    started earlier: they inherit the server's environment, not the agent's later one."""
+    if "signals_to_handle" not in launch_config_fields():
+        return {}
+    return {"TORCHELASTIC_SIGNALS_TO_HANDLE": not_ignored(settings.conf.signals_to_handle)}
+
+
 def build_launch_config(
     settings: JobSettings,
     rendezvous: Rendezvous,

@@ -34,6 +34,7 @@ from .cluster import resolve_cluster
 from .node_agreement import agree_on_resumption
 from .pool import SweepStopped, react_to_stop, run_jobs
 from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
+from .preload import varying_variables
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport
 from .reproduce import dry_run_plan, write_rerun_script
 from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
@@ -158,7 +159,7 @@ def _run_plans(
         plan.resumed = plan.idx in resumed.preempted
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    server = checked_warm_server(preload) if to_run else None
+    server = checked_warm_server(preload, varying_variables(plans)) if to_run else None
     hydra_context = launcher.hydra_context
 
     def request_for(plan: JobPlan, job_devices: Optional[List[str]]) -> bytes:
@@ -274,7 +275,7 @@ def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]"
 def _keys_set(config: DictConfig) -> Set[str]:
     """Launcher keys the user gave on the command line (`hydra.launcher.nnodes=1`, `++...`)."""
     keys = set()
-    for override in config.hydra.overrides.hydra:
+    for override in OmegaConf.to_container(config.hydra.overrides.hydra, resolve=False):  # as typed
         name = str(override).lstrip("+~").split("=", 1)[0]
         if name.startswith("hydra.launcher."):
             keys.add(name[len("hydra.launcher.") :])
@@ -303,7 +304,9 @@ def _plan(
         if config.hydra.job_logging is not None
         else None
     )
-    overrides = list(config.hydra.overrides.task)
+    overrides = [
+        str(o) for o in OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    ]  # as typed
     return JobPlan(
         idx=idx,
         overrides=overrides,

@@ -8,9 +8,29 @@ import os
 import site
 import sys
 import sysconfig
-from typing import Any
+from typing import Any, FrozenSet, Iterable
 
+from .._shared.plan import JobPlan
+from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
 from .settings import check_preload
+
+# what torch's elastic agent sets in every rank, and the launcher in every job: a preloaded
+# import that read one would hand every rank the warm server's value (`_server.watch`)
+PER_RANK_OR_JOB: FrozenSet[str] = frozenset(
+    {
+        *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+        *("ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+        *("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID"),
+        *("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+        *("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", STOP_FILE_ENV, RESUMED_ENV),
+    }
+)
+
+
+def varying_variables(plans: Iterable[JobPlan]) -> FrozenSet[str]:
+    """The variables that differ per rank or per job in this sweep: torch's, ours, env_set's."""
+    return PER_RANK_OR_JOB | {key for plan in plans for key in plan.env_set}
+
 
 # imported by the warm server in any case, or never worth preloading
 _NOT_PRELOADED = frozenset(

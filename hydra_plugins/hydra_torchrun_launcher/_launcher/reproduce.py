@@ -137,7 +137,11 @@ def write_rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List
 
 def _hydra_overrides(config: DictConfig) -> List[str]:
     """The sweep command's Hydra overrides that shape the job (not the sweep's dir or mode)."""
-    return _without([str(o) for o in config.hydra.overrides.hydra], _SWEEP_OVERRIDES)
+    # as typed: an override's own ${...} is resolved by the rerun, not now
+    return _without(
+        [str(o) for o in OmegaConf.to_container(config.hydra.overrides.hydra, resolve=False)],
+        _SWEEP_OVERRIDES,
+    )
 
 
 def _without(overrides: List[str], keys: "tuple[str, ...]") -> List[str]:

@@ -17,6 +17,7 @@ import inspect
 import logging
 import os
 import socket
+import tempfile
 from multiprocessing import forkserver
 from typing import Callable, Optional
 
@@ -25,6 +26,8 @@ from .._shared.signals import ignored_group_signals, take_dispositions
 log = logging.getLogger(__name__)
 
 _CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+# a Unix socket's path holds at most 107 bytes on Linux (sun_path)
+_MAX_SOCKET_PATH = 100
 
 
 def _supported() -> bool:
@@ -71,7 +74,11 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
         return lambda: None
     client = forkserver._forkserver  # type: ignore[attr-defined]
     listener = socket.socket(socket.AF_UNIX)
+    own_dir = None
     address = os.path.join(socket_dir, "forkserver")
+    if len(os.fsencode(address)) > _MAX_SOCKET_PATH:  # a long TMPDIR: a short private dir of its own
+        own_dir = tempfile.mkdtemp(prefix="htl-", dir="/tmp")
+        address = os.path.join(own_dir, "forkserver")
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()
@@ -100,5 +107,7 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
         os.waitpid(pid, 0)
         if os.path.exists(address):
             os.unlink(address)
+        if own_dir is not None:
+            os.rmdir(own_dir)
 
     return stop

@@ -34,6 +34,7 @@ from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.stop_files import note_rank_started
 from .error import write_rank_exception
 from .forkserver import drop_inherited_forkserver
+from .preloaded import redo_reads_at_import
 from .script import fresh_random_state, run_script, task_function
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
@@ -52,7 +53,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     _match_torch_threads()
-    _refresh_ranks_read_at_import()
+    redo_reads_at_import()
     job: RankPayload = cloudpickle.loads(payload)
     if job.stop_signal is not None:
         signal.signal(job.stop_signal, signal.SIG_IGN)
@@ -110,19 +111,6 @@ def _match_torch_threads() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-
-
-def _refresh_ranks_read_at_import() -> None:
-    """Libraries the warm server preloaded that fixed the process's rank when imported.
-
-    Lightning sets `rank_zero_only.rank` from RANK at import (and keeps it); imported in the
-    warm server, before any rank existed, it would make every rank rank 0 until a Trainer
-    corrects it. A rank that imports Lightning itself needs nothing of this.
-    """
-    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
-    rank_zero_only = getattr(rank_zero, "rank_zero_only", None)
-    if rank_zero_only is not None and hasattr(rank_zero_only, "rank") and "RANK" in os.environ:
-        rank_zero_only.rank = int(os.environ["RANK"])
 
 
 def check_nodes_agree(job_num: int, overrides: List[str]) -> None:

@@ -26,10 +26,12 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .._rank.preloaded import REDONE_IN_RANK
 from .._shared.lifetime import die_with_parent
 from .._shared.signals import group_signals
+from .watch import watched_import
 
 # what every job process imports anyway: done once here, inherited by every fork
 BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api")
@@ -61,13 +63,13 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     sys_path, preload = _recv_frame(sock)
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
-    report = _preload(preload)
     try:
-        _send_frame(sock, report)
+        report = _preload(preload, lambda name: _send_frame(sock, ("importing", name)))
+        _send_frame(sock, ("done", report))
     except BrokenPipeError:
         os._exit(0)  # the launcher went away (or replaced this server) while it preloaded
-    if report["cuda_initialised_by"] is not None:
-        os._exit(3)  # forked ranks could not use CUDA: the launcher starts a server without it
+    if report["unsafe"] is not None:
+        os._exit(3)  # no rank may be forked from here: the launcher starts a server without it
     # multiprocessing's resource tracker, started once here: every job process inherits it.
     # It still unlinks what a job process killed on a second Ctrl-C could not, but without
     # its "leaked semaphore objects" warning on the user's console after the sweep's last line.
@@ -158,11 +160,15 @@ def _reap(sock: socket.socket, children: Set[int]) -> None:
             sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
 
 
-def _preload(modules: Sequence[str]) -> Dict[str, Any]:
-    """Import torch, our rank-side modules and `modules`; what failed, and what touched CUDA.
+def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[str, Any]:
+    """Import torch, our rank-side modules and `modules`, each watched (`_server.watch`).
 
-    A module that fails to import is skipped (the launcher warns, naming it). One that
-    initialises CUDA would leave every forked rank unable to use it: the server stops there.
+    The report says which modules failed to import (skipped: the launcher warns, naming
+    them), which variables each import read (the launcher decides which differ per rank or
+    job), and the first import after which no rank may be forked from here (a Python thread
+    started, CUDA initialised, the process asked to exit): the server stops there.
+    `importing(name)` is told before each import, so that an import that kills the process
+    is named all the same.
     """
     import importlib
 
@@ -171,13 +177,22 @@ def _preload(modules: Sequence[str]) -> Dict[str, Any]:
     import torch
 
     skipped: List[Tuple[str, str]] = []
+    reads: Dict[str, Dict[str, List[str]]] = {}
     for name in modules:
+        importing(name)
+        why = None
         try:
-            importlib.import_module(name)
+            reads[name], threads = watched_import(name)
+            if threads:
+                why = f"it starts a Python thread at import ({', '.join(threads)}), which a fork cannot carry"
         except Exception as e:  # reported to the launcher, which names the module
             skipped.append((name, f"{type(e).__name__}: {e}".splitlines()[0]))
-        if torch.cuda.is_initialized():
-            return {"skipped": skipped, "cuda_initialised_by": name}
+        except SystemExit as e:
+            why = f"it exits at import (SystemExit: {e.code})"
+        if why is None and torch.cuda.is_initialized():
+            why = "importing it initialises CUDA, which forked ranks could not use"
+        if why is not None:
+            return {"skipped": skipped, "reads": reads, "unsafe": (name, why)}
     # first-use costs every job process would pay again (it is a fresh fork each time):
     # OmegaConf's interpolation grammar (antlr builds its tables) and the YAML dumper
     from omegaconf import OmegaConf
@@ -190,7 +205,7 @@ def _preload(modules: Sequence[str]) -> Dict[str, Any]:
     global PLUGINS, SCANNED_PATH
     PLUGINS = Plugins.instance()
     SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
-    return {"skipped": skipped, "cuda_initialised_by": None}
+    return {"skipped": skipped, "reads": reads, "unsafe": None}
 
 
 def _send_frame(sock: socket.socket, value: Any) -> None:
@@ -242,9 +257,25 @@ class WarmServer:
         self._report: Optional[Dict[str, Any]] = None
 
     def report(self) -> Dict[str, Any]:
-        """What the server's preload did (waits until it is done): skipped modules, CUDA."""
-        if self._report is None:
-            self._report = _recv_frame(self._sock)
+        """What the server's preload did (waits until it is done): see `_preload`."""
+        importing = None
+        while self._report is None:
+            try:
+                kind, value = _recv_frame(self._sock)
+            except EOFError:
+                status = self._process.wait()
+                if importing is None:
+                    raise RuntimeError(
+                        f"the torchrun launcher's warm server (pid {self._process.pid}) exited with "
+                        f"status {status} before it imported the preloaded modules"
+                    ) from None
+                why = f"the process ended (exit status {status}) while importing it"
+                self._report = {"skipped": [], "reads": {}, "unsafe": (importing, why)}
+                break
+            if kind == "importing":
+                importing = value
+            else:
+                self._report = value
         return self._report
 
     def reported(self) -> bool:
@@ -292,8 +323,8 @@ class WarmServer:
 
 _server: Optional[WarmServer] = None
 _server_lock = threading.Lock()
-# modules found to initialise CUDA when imported: never preloaded again by this launcher
-_initialise_cuda: Set[str] = set()
+# modules found unfit to preload (see `_server.watch`): never preloaded again by this launcher
+_left_out: Set[str] = set()
 
 
 def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
@@ -301,11 +332,12 @@ def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
 
     It lives as long as the launcher process (an Optuna sweep calls `launch` once per
     batch; each call reuses it) and is replaced when the import path or the list changed.
-    A module that fails to preload is skipped with one warning; one that initialises CUDA
-    is left out (the server is started again without it), also with a warning.
+    A module that fails to preload is skipped with one warning; one whose import a fork
+    would carry wrongly into the ranks is left out (the server is started again without
+    it), also with a warning.
     """
     global _server
-    preload = tuple(name for name in preload if name not in _initialise_cuda)
+    preload = tuple(name for name in preload if name not in _left_out)
     with _server_lock:
         key = (tuple(sys.path), preload)
         if _server is not None and (_server.key != key or not _server.alive()):
@@ -316,11 +348,17 @@ def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
         return _server
 
 
-def checked_warm_server(preload: Tuple[str, ...]) -> WarmServer:
-    """`warm_server`, once its preload is done, with its warnings logged."""
+def checked_warm_server(preload: Tuple[str, ...], varying: Iterable[str]) -> WarmServer:
+    """`warm_server`, once its preload is done and fit for this sweep, with its warnings logged.
+
+    `varying`: the variables whose values differ per rank or per job in this sweep; a
+    preloaded import that read one is left out, unless its reads are redone in every rank
+    (`_rank.preloaded`).
+    """
     import logging
 
     log = logging.getLogger(__name__)
+    varying = frozenset(varying)
     while True:
         server = warm_server(preload)
         first_look = not server.reported()
@@ -330,11 +368,29 @@ def checked_warm_server(preload: Tuple[str, ...]) -> WarmServer:
                 log.warning(
                     f"hydra.launcher.preload: {name} was not preloaded ({error}); ranks import it themselves"
                 )
-        culprit = report["cuda_initialised_by"]
-        if culprit is None:
+        unfit = [report["unsafe"]] if report["unsafe"] is not None else []
+        unfit += [
+            (name, why) for name, why in _reads_that_vary(report["reads"], varying) if name not in _left_out
+        ]
+        if not unfit:
             return server
-        log.warning(
-            f"hydra.launcher.preload: importing {culprit} initialises CUDA, which forked ranks could not "
-            "use; it is not preloaded"
-        )
-        _initialise_cuda.add(culprit)
+        for name, why in unfit:
+            log.warning(f"hydra.launcher.preload: {name} is not preloaded: {why}; ranks import it themselves")
+            _left_out.add(name)
+
+
+def _reads_that_vary(
+    reads: Dict[str, Dict[str, List[str]]], varying: "frozenset[str]"
+) -> List[Tuple[str, str]]:
+    """(preloaded module, why) for each import that read a variable differing per rank or job."""
+    found = []
+    for name, by_module in reads.items():
+        for module, keys in sorted(by_module.items()):
+            redone = REDONE_IN_RANK.get(module, (frozenset(), None))[0]
+            culprits = sorted(k for k in keys if k in varying and k not in redone)
+            if culprits:
+                found.append(
+                    (name, f"{module} reads {', '.join(culprits)} at import, which differs per rank or job")
+                )
+                break
+    return found
