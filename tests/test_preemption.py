@@ -300,6 +300,38 @@ def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
     assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
 
 
+def test_ranks_out_of_phase_stop_at_the_same_call_one_call_after_the_first_saw_the_stop(
+    tmp_path: Path,
+) -> None:
+    """should_stop() itself makes the ranks agree: these ranks share no collective of their own
+    and run at different speeds, so a rank that read the stop file alone would stop at a
+    call of its own. The README documents one call of lag: the answer turns True at the call
+    after the first at which a rank saw the stop file."""
+    app_dir = _install(tmp_path)
+    script = "hydra.launcher.training_script=out_of_phase.py"
+    sweep = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", script)
+    sweep.wait_for_line("[default1]:rank 1: call 3")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    stops = re.findall(
+        r"^\[default(\d)\]:rank \d: stopped at call (\d+), "
+        r"file seen before call (\d+|None), after call (\d+)$",
+        out,
+        re.M,
+    )
+    assert sorted(rank for rank, *_ in stops) == ["0", "1"], out
+    calls = {int(call) for _, call, _, _ in stops}
+    assert len(calls) == 1, f"the ranks stopped at different calls: {stops}\n{out}"
+    (call,) = calls
+    # each rank's own read of the file lies between its two checks around the call; the
+    # agreed answer comes one call after the earliest rank's read
+    first_after = min(int(after) for *_, after in stops)
+    first_before = min(int(before) for _, _, before, _ in stops if before != "None")  # None: never
+    assert first_after + 1 <= call <= first_before + 1, stops
+    assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
+
+
 @pytest.mark.parametrize("sig, how", [(signal.SIGUSR2, "preempted"), (signal.SIGTERM, "stopped")])
 def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher_on_one_line(
     one_of_two_nodes: Cluster, sig: int, how: str
