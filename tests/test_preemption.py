@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import psutil
 import pytest
@@ -33,9 +33,12 @@ pytestmark = pytest.mark.timeout(300)
 class Sweep:
     """`python app.py ARGS` run from the app's dir, its console kept in a file."""
 
-    def __init__(self, app_dir: Path, *args: str) -> None:
+    def __init__(self, app_dir: Path, *args: str, tmpdir: Optional[Path] = None) -> None:
         self.out = app_dir / f"console_{len(list(app_dir.glob('console_*')))}.txt"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if tmpdir is not None:  # where the jobs' private dirs go (their stop files)
+            tmpdir.mkdir(exist_ok=True)
+            env["TMPDIR"] = str(tmpdir)
         env.pop("HYDRA_FULL_ERROR", None)
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
@@ -135,9 +138,15 @@ def test_a_stop_between_jobs_starts_no_further_job(tmp_path: Path) -> None:
 
 def test_a_second_stop_signal_changes_nothing(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
-    sweep = Sweep(app_dir, *SWEEP, "step_s=0.5")
-    sweep.wait_for_line("[default0]:rank 0: step 2")
+    # long steps: from the stop file's appearance the ranks take one to two steps to stop
+    tmpdir = tmp_path / "tmp"
+    sweep = Sweep(app_dir, *SWEEP, "step_s=1", tmpdir=tmpdir)
+    sweep.wait_for_line("[default0]:rank 0: step 1")
     sweep.signal(signal.SIGUSR2)
+    # two signals sent back to back may reach the launcher as one: the second goes once the
+    # first has been handled (the job's process made its stop file) and the job still runs
+    wait_for(lambda: list(tmpdir.glob("hydra_torchrun_*/stop")), 60, "the first SIGUSR2 to reach the job")
+    assert "stopping after step" not in sweep.text(), sweep.text()
     sweep.signal(signal.SIGUSR2)
     code, out = sweep.end()
     assert code == 128 + signal.SIGUSR2, out
