@@ -126,14 +126,25 @@ def test_a_stop_signal_stops_every_rank_at_one_step_and_the_same_command_resumes
 
 def test_a_stop_between_jobs_starts_no_further_job(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
-    # job 0 ignores should_stop past its last step: the stop comes as it ends
-    sweep = Sweep(app_dir, *SWEEP, "steps=3")
-    wait_for(lambda: "rank 0: done, 3 steps" in sweep.text() or sweep.proc.poll() is not None, 120, "job 0")
+    # job 0's on_job_end holds the sweep at the boundary until the stop signal reached it
+    hold = ["+hydra.callbacks.hold._target_=hold.HoldAfterJob", "+hydra.callbacks.hold.job=0"]
+    sweep = Sweep(app_dir, *SWEEP, *hold)
+    wait_for(
+        lambda: (app_dir / "sweep" / "held_after_0").exists() or sweep.proc.poll() is not None,
+        120,
+        "job 0 to end",
+    )
     sweep.signal(signal.SIGUSR2)
     code, out = sweep.end()
     assert code == 128 + signal.SIGUSR2, out
     statuses = [job["status"] for job in _summary(app_dir)]
-    assert statuses[0] == "COMPLETED" and statuses[2] == "NOT_STARTED", statuses
+    assert statuses == ["COMPLETED", "NOT_STARTED", "NOT_STARTED"], out
+    # job 1 (the next one) never started: none of its ranks ran, it has no job dir
+    assert "#1 : lr=0.2" not in out.split("3 jobs:")[0], out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 1, out
+    assert not (app_dir / "sweep" / "1").exists(), sorted(p.name for p in (app_dir / "sweep").iterdir())
+    # the way on: job 0 from the record, jobs 1 and 2 run
+    assert "not started #1, #2" in out.strip().splitlines()[-1], out
 
 
 def test_a_second_stop_signal_changes_nothing(tmp_path: Path) -> None:
