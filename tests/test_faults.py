@@ -261,29 +261,56 @@ def test_job_timeout_stops_the_ranks_and_fails_the_job(tmp_path: Path) -> None:
     _assert_sweep_left_nothing(sweep_dir)
 
 
+# the launch prefix that makes a rank's start slow: it notes its own pid and its sleep's
+SLOW_START = """#!/bin/sh
+echo $$ > "$SLOW_START_DIR/prefix.$$"
+sleep {sleep_s} &
+echo $! > "$SLOW_START_DIR/sleep.$!"
+wait $!
+exec "$@"
+"""
+SLOW_START_S = 30
+
+
 @pytest.mark.timeout(180)
 def test_job_timeout_while_ranks_start_leaves_no_rank(tmp_path: Path) -> None:
-    # deadlines that land while the agent starts the ranks (the time that takes varies)
-    timeouts = [0.8, 1.0, 1.2, 1.4, 1.6, 1.8]
+    # every rank starts through a launch prefix that sleeps 30 s first: the 2 s deadline lands
+    # while the agent is starting the ranks, before any rank's Python runs
+    marks = tmp_path / "slow_start"
+    marks.mkdir()
+    prefix = tmp_path / "slow_start.sh"
+    prefix.write_text(SLOW_START.format(sleep_s=SLOW_START_S))
+    prefix.chmod(0o755)
+    timeout = 2
     result = _sweep(
         tmp_path,
         "mode=sleep",
-        f"+t={','.join(map(str, timeouts))}",
-        "hydra.launcher.job_timeout=${oc.select:t,1}",
+        "+x=0,1",
+        f"hydra.launcher.launch_prefix=[{prefix}]",
+        f"hydra.launcher.job_timeout={timeout}",
         "hydra.launcher.shutdown_timeout=1",
+        SLOW_START_DIR=str(marks),
     )
     sweep_dir = tmp_path / "multirun"
     starts, ends = _records(sweep_dir, "start"), _records(sweep_dir, "end")
-    seen = {pid for record in [*starts.values(), *ends.values()] for pid in record["descendants"]}
+    started = [int(p.name.split(".")[1]) for p in marks.iterdir()]
     try:
         assert result.returncode != 0, _output(result)
-        assert sorted(ends) == list(range(len(timeouts))), _output(result)
-        assert all(end["status"] == "FAILED" and "job_timeout" in end["error"] for end in ends.values())
-        helpers = starts[0]["descendants"]
-        left = {num: sorted(set(end["descendants"]) - set(helpers)) for num, end in ends.items()}
-        assert not any(left.values()), f"processes still running after each job: {left}"
+        assert sorted(ends) == [0, 1], _output(result)
+        for num in (0, 1):
+            assert ends[num]["status"] == "FAILED", ends[num]
+            assert ends[num]["error"].endswith(
+                f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped"
+            ), ends[num]
+            # the deadline, not the slow start, ended it: far sooner than the prefix's sleep
+            took = ends[num]["t"] - starts[num]["t"]
+            assert took < SLOW_START_S / 2, f"job {num} ended after {took:.1f}s"
+            # the deadline came while the ranks were starting: both prefixes ran, no rank did
+            assert not _rank_pids(sweep_dir / str(num)), _output(result)
+        assert len(list(marks.glob("prefix.*"))) == len(list(marks.glob("sleep.*"))) == 4, started
+        assert_gone(started)
     finally:
-        _kill(seen | set(_all_rank_pids(sweep_dir)))
+        _kill(started)
 
 
 # --- 4. Ctrl-C / SIGTERM to the launcher ---------------------------------------------------
