@@ -307,6 +307,59 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     assert "[default0]" not in out, out
 
 
+def test_edited_code_under_the_default_resume_starts_the_sweep_afresh(tmp_path: Path) -> None:
+    """README: a job is the same only with the same task source; a record of another (here:
+    edited) app starts afresh with one line, so the preempted job does not continue from its
+    checkpoint and the completed one runs again (`resume: auto`, the default)."""
+    app_dir = _install(tmp_path)
+    code, out = _preempt_job_1_at_step(app_dir, 2)
+    assert code == 128 + signal.SIGUSR2, out
+    assert [job["status"] for job in _summary(app_dir)] == ["COMPLETED", "PREEMPTED", "NOT_STARTED"], out
+    source = app_dir / "app.py"
+    source.write_text(source.read_text().replace("done,", "finished,"))
+    code, out = Sweep(app_dir, *SWEEP).end()
+    assert code == 0, out
+    assert (
+        "sweep/sweep_summary.json records another sweep (other jobs, overrides, task or config): "
+        "every job runs, and the record starts afresh" in out
+    ), out
+    assert "Resuming the sweep" not in out and "resumed at step" not in out, out
+    assert out.count("[default0]:rank 0: finished, 6 steps from 0") == 3, out
+    jobs = _summary(app_dir)
+    assert [job["status"] for job in jobs] == ["COMPLETED"] * 3, jobs
+    assert [job["return_value"]["from"] for job in jobs] == [0, 0, 0], jobs
+
+
+def test_changed_overrides_under_resume_true_resume_only_the_jobs_whose_overrides_match(
+    tmp_path: Path,
+) -> None:
+    """README: a job counts as the same when its number and overrides are the same;
+    `resume=true` resumes whatever changed in the code, never another job's record, and is
+    an error when no job of the record matches."""
+    app_dir = _install(tmp_path)
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2").end()
+    assert code == 0, out
+    # job 1's override changed: job 0 comes from the record, job 1 runs
+    resume = "hydra.launcher.resume=true"
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.3", resume).end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0), 0 preempted job(s) continue" in out, out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 1, out
+    jobs = _summary(app_dir)
+    assert [(job["status"], job["return_value"]["lr"]) for job in jobs] == [
+        ("COMPLETED", 0.1),
+        ("COMPLETED", 0.3),
+    ], jobs
+    # no job's overrides match: refused in one line, no rank runs
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.5", resume).end()
+    assert code == 1, out
+    assert (
+        "hydra.launcher.resume=true: sweep holds no record of this sweep "
+        "(no sweep_summary.json with these jobs' overrides)" in out
+    ), out
+    assert "[default0]" not in out, out
+
+
 def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     script = "hydra.launcher.training_script=script.py"
