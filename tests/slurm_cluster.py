@@ -10,7 +10,8 @@ daemon by PID and removes the namespaces and the bridge.
     with SlurmCluster(tmp_path) as cluster:
         cluster.run(["sbatch", "--wait", ...])
 
-`unavailable()` says why a cluster cannot start here (not root, no SLURM, no namespaces).
+`unavailable()` says why a cluster cannot start here (not root, no SLURM, no namespaces);
+`skip_or_fail()` turns that into a skip, or a failure where `REQUIRE_SLURM=1` (CI).
 """
 
 import os
@@ -21,7 +22,9 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Mapping, Optional, Sequence, Set
+
+import pytest
 
 NODES = ("node1", "node2")
 _DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "sinfo")
@@ -45,6 +48,20 @@ def unavailable() -> Optional[str]:
     if shutil.which("ip") is None or shutil.which("nsenter") is None or shutil.which("unshare") is None:
         return "ip, nsenter and unshare are needed for the nodes' namespaces"
     return None
+
+
+REQUIRE_ENV = "REQUIRE_SLURM"
+
+
+def skip_or_fail(reason: Optional[str], environ: Optional[Mapping[str, str]] = None) -> None:
+    """Skip a test that needs the cluster, saying why (`reason` from `unavailable()`); fail it
+    instead where `REQUIRE_SLURM=1` (CI, which installs SLURM: a silent skip there would hide
+    that the SLURM tests never ran). None: the cluster can run, nothing happens."""
+    if reason is None:
+        return
+    if (os.environ if environ is None else environ).get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1, but no SLURM cluster can run here: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _free_port() -> int:

@@ -34,6 +34,8 @@ FAILED_WITHIN_S = 5.0
 # from the launcher getting SIGINT / SIGTERM to every process of the sweep gone
 STOPPED_WITHIN_S = 10.0
 SWEEP_TIMEOUT_S = 150
+# ranks deaf to SIGINT/SIGTERM get this long to shut down, unless a second Ctrl-C kills them
+DEAF_SHUTDOWN_TIMEOUT_S = 120
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -259,29 +261,56 @@ def test_job_timeout_stops_the_ranks_and_fails_the_job(tmp_path: Path) -> None:
     _assert_sweep_left_nothing(sweep_dir)
 
 
+# the launch prefix that makes a rank's start slow: it notes its own pid and its sleep's
+SLOW_START = """#!/bin/sh
+echo $$ > "$SLOW_START_DIR/prefix.$$"
+sleep {sleep_s} &
+echo $! > "$SLOW_START_DIR/sleep.$!"
+wait $!
+exec "$@"
+"""
+SLOW_START_S = 30
+
+
 @pytest.mark.timeout(180)
 def test_job_timeout_while_ranks_start_leaves_no_rank(tmp_path: Path) -> None:
-    # deadlines that land while the agent starts the ranks (the time that takes varies)
-    timeouts = [0.8, 1.0, 1.2, 1.4, 1.6, 1.8]
+    # every rank starts through a launch prefix that sleeps 30 s first: the 2 s deadline lands
+    # while the agent is starting the ranks, before any rank's Python runs
+    marks = tmp_path / "slow_start"
+    marks.mkdir()
+    prefix = tmp_path / "slow_start.sh"
+    prefix.write_text(SLOW_START.format(sleep_s=SLOW_START_S))
+    prefix.chmod(0o755)
+    timeout = 2
     result = _sweep(
         tmp_path,
         "mode=sleep",
-        f"+t={','.join(map(str, timeouts))}",
-        "hydra.launcher.job_timeout=${oc.select:t,1}",
+        "+x=0,1",
+        f"hydra.launcher.launch_prefix=[{prefix}]",
+        f"hydra.launcher.job_timeout={timeout}",
         "hydra.launcher.shutdown_timeout=1",
+        SLOW_START_DIR=str(marks),
     )
     sweep_dir = tmp_path / "multirun"
     starts, ends = _records(sweep_dir, "start"), _records(sweep_dir, "end")
-    seen = {pid for record in [*starts.values(), *ends.values()] for pid in record["descendants"]}
+    started = [int(p.name.split(".")[1]) for p in marks.iterdir()]
     try:
         assert result.returncode != 0, _output(result)
-        assert sorted(ends) == list(range(len(timeouts))), _output(result)
-        assert all(end["status"] == "FAILED" and "job_timeout" in end["error"] for end in ends.values())
-        helpers = starts[0]["descendants"]
-        left = {num: sorted(set(end["descendants"]) - set(helpers)) for num, end in ends.items()}
-        assert not any(left.values()), f"processes still running after each job: {left}"
+        assert sorted(ends) == [0, 1], _output(result)
+        for num in (0, 1):
+            assert ends[num]["status"] == "FAILED", ends[num]
+            assert ends[num]["error"].endswith(
+                f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped"
+            ), ends[num]
+            # the deadline, not the slow start, ended it: far sooner than the prefix's sleep
+            took = ends[num]["t"] - starts[num]["t"]
+            assert took < SLOW_START_S / 2, f"job {num} ended after {took:.1f}s"
+            # the deadline came while the ranks were starting: both prefixes ran, no rank did
+            assert not _rank_pids(sweep_dir / str(num)), _output(result)
+        assert len(list(marks.glob("prefix.*"))) == len(list(marks.glob("sleep.*"))) == 4, started
+        assert_gone(started)
     finally:
-        _kill(seen | set(_all_rank_pids(sweep_dir)))
+        _kill(started)
 
 
 # --- 4. Ctrl-C / SIGTERM to the launcher ---------------------------------------------------
@@ -299,11 +328,12 @@ STOPS = {
     "sigint": Stop(signal.SIGINT),
     "sigterm": Stop(signal.SIGTERM),
     "ctrl_c_to_the_group": Stop(signal.SIGINT, to_group=True),
-    # the second Ctrl-C lands while the agent waits for ranks deaf to the first
+    # the second Ctrl-C lands while the agent waits for ranks deaf to the first; their
+    # shutdown_timeout is far away, so only the second press's SIGKILL ends them in time
     "sigint_twice": Stop(
         signal.SIGINT,
         twice=True,
-        overrides=("ignore_signals=true", "hydra.launcher.shutdown_timeout=3"),
+        overrides=("ignore_signals=true", f"hydra.launcher.shutdown_timeout={DEAF_SHUTDOWN_TIMEOUT_S}"),
     ),
     # two jobs running at once: every rank of both goes
     "sigint_parallel_jobs": Stop(
@@ -357,7 +387,14 @@ def test_stopping_the_launcher_stops_every_rank(tmp_path: Path, name: str) -> No
         if stop.twice:
             wait_for(lambda: "death signal" in err.read_text(), 30, "the agent to act on the first signal")
             os.kill(launcher.pid, stop.sig)
-        returncode = launcher.wait(timeout=60)
+            sent = time.monotonic()  # from here on, nothing waits for the deaf ranks
+        try:
+            returncode = launcher.wait(timeout=STOPPED_WITHIN_S if stop.twice else 60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the launcher still ran {STOPPED_WITHIN_S:g}s after the last {stop.sig.name}"
+                f"\n{err.read_text()}"
+            ) from None
     finally:
         if launcher.poll() is None:
             _kill(ours)

@@ -102,6 +102,23 @@ def test_concurrent_jobs_each_see_only_their_own_world(tmp_path: Path, how: List
     assert "[#1 default1]:hello from job 10 rank 1" in result.stdout
 
 
+def test_a_variable_only_one_job_sets_reaches_no_other_job_and_not_the_launcher(tmp_path: Path) -> None:
+    """Every job sets JOB_TAG, so a leak of it would be overwritten: ONLY_ONE_JOB is job 0's
+    alone (`+env=only_this_job`), and jobs 0 and 1 run at once."""
+    app_dir = _install(tmp_path)
+    _sweep(app_dir, "hydra.launcher.parallel_jobs=2", "meet=true", "+env=only_this_job,nothing")
+    sweep_dir = app_dir / "sweep"
+    for job, expected in ((0, "set by one job alone"), (1, None)):
+        records = _records(sweep_dir, job)
+        assert sorted(records) == [0, 1], records
+        for record in records.values():
+            assert record["at_import"]["ONLY_ONE_JOB"] == record["now"]["ONLY_ONE_JOB"] == expected, job
+            assert record["now"]["JOB_TAG"] == f"tag{job}"
+    # the launcher's own environment, after its jobs: neither job's env_set
+    launcher_env = json.loads((sweep_dir / "launcher_env.json").read_text())
+    assert launcher_env == {"JOB_TAG": None, "ONLY_ONE_JOB": None}, launcher_env
+
+
 def test_fixed_port_with_parallel_jobs_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     result = run_app(

@@ -1,6 +1,7 @@
 """Script mode and launch prefixes: the launch layers users already have keep working."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,11 +50,17 @@ if args.fail and rank == 1:
 """
 
 WRAPPER = """
-import json, os, sys
+import json, os, stat, sys
 # a stand-in for numactl / nsys: records how it was called, then runs the rest
 tag, rest = sys.argv[1], sys.argv[2:]
+# the files its command names, as they are while the job runs (mode, owner, and their dir's)
+def facts(path):
+    st, dir_st = os.stat(path), os.stat(os.path.dirname(path))
+    return {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
+            "dir_mode": stat.S_IMODE(dir_st.st_mode), "dir_uid": dir_st.st_uid}
+files = {arg: facts(arg) for arg in rest if os.path.isfile(arg)}
 with open(os.path.join(os.environ["WRAPPER_LOG_DIR"], f"wrapper_{tag}.json"), "w") as f:
-    json.dump({"argv": rest, "pid": os.getpid()}, f)
+    json.dump({"argv": rest, "pid": os.getpid(), "files": files}, f)
 os.execvp(rest[0], rest)
 """
 
@@ -145,8 +152,20 @@ def test_launch_prefix_wraps_every_rank_of_a_task(app: Path, tmp_path: Path) -> 
     assert wrappers["wrapper_r1-l1.json"]["argv"][0] == sys.executable
     pids += [w["pid"] for w in wrappers.values()]
     assert_gone(pids)
-    # the payload files live only while the job runs
-    assert not list(Path(sweep_dir).rglob("payload.pkl"))
+    # each rank's task travels in a payload file that only the user can read, in a private
+    # dir of its own (not the sweep dir), which lives only while the job runs
+    payloads = {
+        path: facts for w in wrappers.values() for path, facts in w["files"].items() if path.endswith(".pkl")
+    }
+    # the last job's (its wrappers' records replaced the first's): both ranks read one file
+    assert len(payloads) == 1, wrappers
+    for path, facts in payloads.items():
+        assert Path(path).name == "payload.pkl", path
+        assert not Path(path).is_relative_to(sweep_dir) and not Path(path).is_relative_to(tmp_path), path
+        assert facts == {"mode": 0o600, "uid": os.getuid(), "dir_mode": 0o700, "dir_uid": os.getuid()}, facts
+        assert not Path(path).exists() and not Path(path).parent.exists(), path
+    # in the sweep dir: only the completed jobs' records (a resume reads them)
+    assert {p.name for p in Path(sweep_dir).rglob("*.pkl")} <= {"job_return.pkl"}
 
 
 def test_launch_prefix_keeps_rank_zeros_return_value(tmp_path: Path) -> None:

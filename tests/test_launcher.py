@@ -381,7 +381,6 @@ if __name__ == "__main__":
         ("hydra.launcher.max_restarts=-1", "max_restarts"),
         ("hydra.launcher.nnodes='2:1'", "nnodes"),
         ("hydra.launcher.redirects='9'", "redirects"),
-        ("+hydra.launcher.no_such_key=1", "no_such_key"),
         # refused here, not job by job by torch, nor silently dropped
         ("hydra.launcher.rdzv_backend=etcd3", "rdzv_backend"),
         ("hydra.launcher.logs_specs=nope", "logs_specs"),
@@ -417,6 +416,45 @@ if __name__ == "__main__":
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) <= 3, result.stderr
     assert f"hydra.launcher.{key}" in lines[0] or f"'{key}'" in lines[0], result.stderr
+
+
+def test_an_unknown_key_is_refused_in_the_launchers_own_line(tmp_path: Path) -> None:
+    """The launcher's message, not Python's (a TypeError or KeyError would name the key too):
+    which job, which key, and the keys there are."""
+    from dataclasses import fields
+
+    from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
+
+    app = tmp_path / "app.py"
+    app.write_text(
+        """
+import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
+@hydra.main(**VERSION_BASE, config_path=None)
+def main(cfg):
+    open("a_rank_ran", "w").close()
+
+if __name__ == "__main__":
+    main()
+"""
+    )
+    result = run_app(
+        app,
+        ["-m", "hydra/launcher=torchrun", "+hydra.launcher.no_such_key=1", "+x=1,2"],
+        cwd=tmp_path,
+        check=False,
+        full_error=False,
+    )
+    assert result.returncode != 0
+    assert not (tmp_path / "a_rank_ran").exists()
+    keys = ", ".join(sorted(f.name for f in fields(TorchrunLauncherConf) if not f.name.startswith("_")))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"job #0 (+x=1): hydra.launcher.no_such_key is not a key of the torchrun launcher (keys: {keys})",
+        "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
+    ], result.stderr
 
 
 def test_return_value_that_cannot_be_pickled_fails_only_its_job(

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import psutil
 import pytest
@@ -33,9 +33,12 @@ pytestmark = pytest.mark.timeout(300)
 class Sweep:
     """`python app.py ARGS` run from the app's dir, its console kept in a file."""
 
-    def __init__(self, app_dir: Path, *args: str) -> None:
+    def __init__(self, app_dir: Path, *args: str, tmpdir: Optional[Path] = None) -> None:
         self.out = app_dir / f"console_{len(list(app_dir.glob('console_*')))}.txt"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if tmpdir is not None:  # where the jobs' private dirs go (their stop files)
+            tmpdir.mkdir(exist_ok=True)
+            env["TMPDIR"] = str(tmpdir)
         env.pop("HYDRA_FULL_ERROR", None)
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
@@ -123,21 +126,38 @@ def test_a_stop_signal_stops_every_rank_at_one_step_and_the_same_command_resumes
 
 def test_a_stop_between_jobs_starts_no_further_job(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
-    # job 0 ignores should_stop past its last step: the stop comes as it ends
-    sweep = Sweep(app_dir, *SWEEP, "steps=3")
-    wait_for(lambda: "rank 0: done, 3 steps" in sweep.text() or sweep.proc.poll() is not None, 120, "job 0")
+    # job 0's on_job_end holds the sweep at the boundary until the stop signal reached it
+    hold = ["+hydra.callbacks.hold._target_=hold.HoldAfterJob", "+hydra.callbacks.hold.job=0"]
+    sweep = Sweep(app_dir, *SWEEP, *hold)
+    wait_for(
+        lambda: (app_dir / "sweep" / "held_after_0").exists() or sweep.proc.poll() is not None,
+        120,
+        "job 0 to end",
+    )
     sweep.signal(signal.SIGUSR2)
     code, out = sweep.end()
     assert code == 128 + signal.SIGUSR2, out
     statuses = [job["status"] for job in _summary(app_dir)]
-    assert statuses[0] == "COMPLETED" and statuses[2] == "NOT_STARTED", statuses
+    assert statuses == ["COMPLETED", "NOT_STARTED", "NOT_STARTED"], out
+    # job 1 (the next one) never started: none of its ranks ran, it has no job dir
+    assert "#1 : lr=0.2" not in out.split("3 jobs:")[0], out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 1, out
+    assert not (app_dir / "sweep" / "1").exists(), sorted(p.name for p in (app_dir / "sweep").iterdir())
+    # the way on: job 0 from the record, jobs 1 and 2 run
+    assert "not started #1, #2" in out.strip().splitlines()[-1], out
 
 
 def test_a_second_stop_signal_changes_nothing(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
-    sweep = Sweep(app_dir, *SWEEP, "step_s=0.5")
-    sweep.wait_for_line("[default0]:rank 0: step 2")
+    # long steps: from the stop file's appearance the ranks take one to two steps to stop
+    tmpdir = tmp_path / "tmp"
+    sweep = Sweep(app_dir, *SWEEP, "step_s=1", tmpdir=tmpdir)
+    sweep.wait_for_line("[default0]:rank 0: step 1")
     sweep.signal(signal.SIGUSR2)
+    # two signals sent back to back may reach the launcher as one: the second goes once the
+    # first has been handled (the job's process made its stop file) and the job still runs
+    wait_for(lambda: list(tmpdir.glob("hydra_torchrun_*/stop")), 60, "the first SIGUSR2 to reach the job")
+    assert "stopping after step" not in sweep.text(), sweep.text()
     sweep.signal(signal.SIGUSR2)
     code, out = sweep.end()
     assert code == 128 + signal.SIGUSR2, out
@@ -287,6 +307,59 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     assert "[default0]" not in out, out
 
 
+def test_edited_code_under_the_default_resume_starts_the_sweep_afresh(tmp_path: Path) -> None:
+    """README: a job is the same only with the same task source; a record of another (here:
+    edited) app starts afresh with one line, so the preempted job does not continue from its
+    checkpoint and the completed one runs again (`resume: auto`, the default)."""
+    app_dir = _install(tmp_path)
+    code, out = _preempt_job_1_at_step(app_dir, 2)
+    assert code == 128 + signal.SIGUSR2, out
+    assert [job["status"] for job in _summary(app_dir)] == ["COMPLETED", "PREEMPTED", "NOT_STARTED"], out
+    source = app_dir / "app.py"
+    source.write_text(source.read_text().replace("done,", "finished,"))
+    code, out = Sweep(app_dir, *SWEEP).end()
+    assert code == 0, out
+    assert (
+        "sweep/sweep_summary.json records another sweep (other jobs, overrides, task or config): "
+        "every job runs, and the record starts afresh" in out
+    ), out
+    assert "Resuming the sweep" not in out and "resumed at step" not in out, out
+    assert out.count("[default0]:rank 0: finished, 6 steps from 0") == 3, out
+    jobs = _summary(app_dir)
+    assert [job["status"] for job in jobs] == ["COMPLETED"] * 3, jobs
+    assert [job["return_value"]["from"] for job in jobs] == [0, 0, 0], jobs
+
+
+def test_changed_overrides_under_resume_true_resume_only_the_jobs_whose_overrides_match(
+    tmp_path: Path,
+) -> None:
+    """README: a job counts as the same when its number and overrides are the same;
+    `resume=true` resumes whatever changed in the code, never another job's record, and is
+    an error when no job of the record matches."""
+    app_dir = _install(tmp_path)
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2").end()
+    assert code == 0, out
+    # job 1's override changed: job 0 comes from the record, job 1 runs
+    resume = "hydra.launcher.resume=true"
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.3", resume).end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0), 0 preempted job(s) continue" in out, out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 1, out
+    jobs = _summary(app_dir)
+    assert [(job["status"], job["return_value"]["lr"]) for job in jobs] == [
+        ("COMPLETED", 0.1),
+        ("COMPLETED", 0.3),
+    ], jobs
+    # no job's overrides match: refused in one line, no rank runs
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.5", resume).end()
+    assert code == 1, out
+    assert (
+        "hydra.launcher.resume=true: sweep holds no record of this sweep "
+        "(no sweep_summary.json with these jobs' overrides)" in out
+    ), out
+    assert "[default0]" not in out, out
+
+
 def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     script = "hydra.launcher.training_script=script.py"
@@ -297,6 +370,38 @@ def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
     assert code == 128 + signal.SIGUSR2, out
     stops = re.findall(r"^\[default(\d)\]:rank \d: stopping after step (\d+)$", out, re.M)
     assert len(stops) == 2 and len({step for _, step in stops}) == 1, out
+    assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
+
+
+def test_ranks_out_of_phase_stop_at_the_same_call_one_call_after_the_first_saw_the_stop(
+    tmp_path: Path,
+) -> None:
+    """should_stop() itself makes the ranks agree: these ranks share no collective of their own
+    and run at different speeds, so a rank that read the stop file alone would stop at a
+    call of its own. The README documents one call of lag: the answer turns True at the call
+    after the first at which a rank saw the stop file."""
+    app_dir = _install(tmp_path)
+    script = "hydra.launcher.training_script=out_of_phase.py"
+    sweep = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", script)
+    sweep.wait_for_line("[default1]:rank 1: call 3")
+    sweep.signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    stops = re.findall(
+        r"^\[default(\d)\]:rank \d: stopped at call (\d+), "
+        r"file seen before call (\d+|None), after call (\d+)$",
+        out,
+        re.M,
+    )
+    assert sorted(rank for rank, *_ in stops) == ["0", "1"], out
+    calls = {int(call) for _, call, _, _ in stops}
+    assert len(calls) == 1, f"the ranks stopped at different calls: {stops}\n{out}"
+    (call,) = calls
+    # each rank's own read of the file lies between its two checks around the call; the
+    # agreed answer comes one call after the earliest rank's read
+    first_after = min(int(after) for *_, after in stops)
+    first_before = min(int(before) for _, _, before, _ in stops if before != "None")  # None: never
+    assert first_after + 1 <= call <= first_before + 1, stops
     assert [job["status"] for job in _summary(app_dir)] == ["PREEMPTED"], out
 
 

@@ -12,6 +12,11 @@ from omegaconf import DictConfig
 
 
 class JobStart(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        # what the launcher process's environment holds once its jobs are over
+        seen = {key: os.environ.get(key) for key in ("JOB_TAG", "ONLY_ONE_JOB")}
+        (Path(config.hydra.sweep.dir) / "launcher_env.json").write_text(json.dumps(seen))
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         os.environ["FROM_CALLBACK"] = f"job{config.hydra.job.num}"
         marker = Path(config.hydra.runtime.output_dir) / "on_job_start.txt"

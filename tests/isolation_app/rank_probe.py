@@ -13,6 +13,7 @@ KEYS = (
     "JOB_TAG",
     "FROM_CALLBACK",
     "FROM_LAUNCHER",
+    "ONLY_ONE_JOB",
     "CUDA_VISIBLE_DEVICES",
 )
 AT_IMPORT = {key: os.environ.get(key) for key in KEYS}
