@@ -25,7 +25,6 @@ setup(
         "hydra-core>=1.3.2,<1.5",
         "omegaconf>=2.3",
         "cloudpickle>=2.0",
-        "python-hostlist>=2.0",
         "torch>=2.13",
     ],
     extras_require={

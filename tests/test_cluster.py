@@ -1,7 +1,16 @@
-"""`cluster: auto | slurm | none` over simulated SLURM environments (no SLURM needed)."""
+"""`cluster: auto | slurm | none` over simulated SLURM environments (no SLURM needed).
+
+SLURM's hostlists are expanded by SLURM's own `scontrol show hostnames`; here a fake
+`scontrol` on PATH (a script in tmp_path) answers as SLURM 22.05 does for the lists the
+tests use, and records how it was called.
+"""
 
 import dataclasses
-from typing import Dict
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
@@ -76,6 +85,45 @@ def step_task(
     return env
 
 
+# what SLURM 22.05's `scontrol show hostnames LIST` prints for the lists the tests use
+_HOSTNAMES = {
+    "node[01-02]": ["node01", "node02"],
+    "node[01-04]": ["node01", "node02", "node03", "node04"],
+    "node[03-04]": ["node03", "node04"],
+    "cn[5-6]": ["cn5", "cn6"],
+    "node[01-03,07],gpu-a[1-2]": ["node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2"],
+}
+_FAKE_SCONTROL = """#!{python}
+import json, sys
+with open({calls!r}, "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+answers = {answers!r}
+if sys.argv[1:3] == ["show", "hostnames"] and len(sys.argv) == 4 and sys.argv[3] in answers:
+    print("\\n".join(answers[sys.argv[3]]))
+    sys.exit(0)
+print("scontrol: error: Unable to create hostlist from %s" % sys.argv[-1], file=sys.stderr)
+sys.exit(1)
+"""
+
+
+@pytest.fixture(autouse=True)
+def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake `scontrol` first on PATH; returns the file where it records its argv, call by call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls.jsonl"
+    calls.touch()
+    script = bin_dir / "scontrol"
+    script.write_text(_FAKE_SCONTROL.format(python=sys.executable, calls=str(calls), answers=_HOSTNAMES))
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return calls
+
+
+def scontrol_calls(calls: Path) -> List[List[str]]:
+    return [json.loads(line) for line in calls.read_text().splitlines()]
+
+
 def settings(conf: TorchrunLauncherConf) -> JobSettings:
     return JobSettings(conf=conf, min_nodes=1, max_nodes=1, rdzv_conf={}, local_ranks_filter=None)
 
@@ -115,12 +163,38 @@ def test_a_requeued_job_meets_a_new_rendezvous_on_every_node():
     assert requeued[0].port != first.port
 
 
-def test_nodelist_with_brackets_is_expanded_by_the_hostlist_library():
+def test_nodelist_with_brackets_is_expanded_by_scontrol(fake_scontrol):
     nodes = ("node01", "node02", "node03", "node07", "gpu-a1", "gpu-a2")
     nodelist = "node[01-03,07],gpu-a[1-2]"
     layout = detect("auto", step_task(4, nodes=nodes, step_nodelist=nodelist, job_nodelist=nodelist))
     assert layout.nodes == nodes
     assert (layout.nnodes, layout.node_rank, layout.master_addr) == (6, 4, "node01")
+    # SLURM's own command, one argv (no shell); a list is expanded once per process
+    assert scontrol_calls(fake_scontrol) == [["show", "hostnames", nodelist]]
+    detect("auto", step_task(4, nodes=nodes, step_nodelist=nodelist, job_nodelist=nodelist))
+    assert len(scontrol_calls(fake_scontrol)) == 1
+
+
+def test_plain_nodelists_need_no_scontrol(fake_scontrol, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    env = step_task(1, nodes=("a1", "b2"), step_nodelist="a1,b2", job_nodelist="a1,b2")
+    assert detect("auto", env).nodes == ("a1", "b2")
+    assert scontrol_calls(fake_scontrol) == []
+
+
+def test_a_hostlist_without_scontrol_is_one_clear_line(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(LauncherConfigError, match=r"^SLURM_STEP_NODELIST='node\[01-02\]' .*`scontrol`") as e:
+        detect("auto", step_task(0))
+    assert "not on PATH" in str(e.value) and "cluster=none" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_hostlist_scontrol_refuses_names_the_variable_and_scontrols_reason():
+    env = step_task(0, job_nodelist="node[01-09]")
+    culprit = r"^SLURM_JOB_NODELIST='node\[01-09\]': `scontrol show"
+    with pytest.raises(LauncherConfigError, match=culprit) as e:
+        detect("auto", env)
+    assert "Unable to create hostlist from node[01-09]" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_step_nodelist_wins_over_the_job_nodelist():
@@ -207,6 +281,7 @@ def test_two_tasks_per_node_is_refused(cluster, local_id):
     "change, culprit",
     [
         ({"SLURM_STEP_NODELIST": "node[01-"}, "SLURM_STEP_NODELIST"),
+        ({"SLURM_STEP_NODELIST": "node01,,"}, "SLURM_STEP_NODELIST"),
         ({"SLURM_STEP_NUM_NODES": "3"}, "SLURM_STEP_NODELIST"),
         ({"SLURM_STEP_NUM_NODES": "two"}, "SLURM_STEP_NUM_NODES"),
         ({"SLURM_NODEID": "2", "SLURMD_NODENAME": ""}, "SLURM_NODEID"),

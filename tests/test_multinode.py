@@ -32,7 +32,8 @@ pytestmark = pytest.mark.timeout(180)
 
 # variables of the surrounding environment that would change what the launcher or torch does
 _FOREIGN_ENV = re.compile(
-    r"^(SLURM\w*|PET_\w+|TORCHELASTIC_\w+|MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE|"
+    r"^(SLURM\w*|PET_\w+|OMPI_\w+|PMIX?_\w+|MPI_LOCAL\w+|LSB_\w+|JSM_\w+|TORCHELASTIC_\w+|"
+    r"MASTER_ADDR|MASTER_PORT|RANK|LOCAL_RANK|WORLD_SIZE|"
     r"GROUP_RANK|LOCAL_WORLD_SIZE|HYDRA_FULL_ERROR)$"
 )
 

@@ -126,7 +126,11 @@ def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
             "hydra.launcher.launch_prefix='numactl' is invalid: use a list of strings",
         ),
         ("monitor_interval", 0, "hydra.launcher.monitor_interval=0.0 is invalid"),
-        ("cluster", "pbs", "hydra.launcher.cluster='pbs' is invalid: use one of auto, none, slurm"),
+        (
+            "cluster",
+            "pbs",
+            "hydra.launcher.cluster='pbs' is invalid: use one of auto, none, slurm, pet, mpi, lsf",
+        ),
         ("devices", [0, 0], "hydra.launcher.devices=['0', '0'] is invalid: list each device id once"),
         (
             "module",

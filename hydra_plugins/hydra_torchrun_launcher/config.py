@@ -7,7 +7,7 @@ checked when a sweep is launched, in `_launcher.settings`.
 """
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
@@ -74,7 +74,9 @@ class TorchrunLauncherConf:
     job_timeout: Optional[float] = None
     # command put before every rank's interpreter, e.g. [numactl, --cpunodebind=0]
     launch_prefix: List[str] = field(default_factory=list)
-    # auto: take nnodes / node_rank / rendezvous from SLURM inside an srun step; none: off
+    # auto: take nnodes / node_rank / rendezvous from the cluster environment found first of
+    # SLURM (an srun step), torchrun's PET_* variables (Kubernetes), MPI (mpirun), LSF (jsrun);
+    # slurm / pet / mpi / lsf: require that one; none: off
     cluster: str = "auto"
     # what the warm server imports once per sweep so ranks start with it: auto = torch plus
     # the installed packages the app had imported when the sweep launched; a list = torch
@@ -96,6 +98,43 @@ class TorchrunLauncherConf:
     # command) and start nothing
     dry_run: bool = False
 
+
+# the keys above that are torchrun's own flags (the first section of TorchrunLauncherConf)
+TORCHRUN_FLAGS: Tuple[str, ...] = (
+    "nnodes",
+    "nproc_per_node",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "standalone",
+    "max_restarts",
+    "monitor_interval",
+    "start_method",
+    "role",
+    "module",
+    "no_python",
+    "run_path",
+    "log_dir",
+    "redirects",
+    "tee",
+    "local_ranks_filter",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "local_addr",
+    "training_script",
+    "training_script_args",
+    "logs_specs",
+    "numa_binding",
+    "signals_to_handle",
+    "shutdown_timeout",
+    "virtual_local_rank",
+    "log_line_prefix_template",
+    "event_log_handler",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+)
 
 # Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field
 # structured config costs Hydra's start-up about 4 ms on every run of every app. The types

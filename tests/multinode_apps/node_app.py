@@ -7,6 +7,7 @@ the `x` of every rank of the job, an all_reduce, its pid) and returns the same f
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import hydra
@@ -31,6 +32,7 @@ ENV_KEYS = (
 
 @hydra.main(**VERSION_BASE, config_path=".", config_name="node_config")
 def main(cfg: DictConfig) -> dict:
+    import rank_probe
     import torch
     import torch.distributed as dist
 
@@ -41,8 +43,12 @@ def main(cfg: DictConfig) -> dict:
     xs = [None] * dist.get_world_size()
     dist.all_gather_object(xs, cfg.x)
     dist.destroy_process_group()
+    host = socket.gethostname()
+    print(f"rank {os.environ.get('RANK')}/{os.environ.get('WORLD_SIZE')} on {host}", flush=True)
     facts = {
         "env": {k: os.environ.get(k) for k in ENV_KEYS},
+        "at_import": rank_probe.AT_IMPORT,
+        "host": host,
         "x": cfg.x,
         "xs": xs,
         "allreduce": total.item(),

@@ -28,7 +28,8 @@ _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 # torch's own rendezvous backends; others come from the `torchrun.handlers` entry points
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
-CLUSTERS = ("auto", "none", "slurm")
+# `cluster` values: auto detects in this order (after none); each named one is required
+CLUSTERS = ("auto", "none", "slurm", "pet", "mpi", "lsf")
 _STD_SPEC = re.compile(r"^[0-3]$|^\d+:[0-3](,\d+:[0-3])*$")
 
 
@@ -47,7 +48,11 @@ def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
             f"hydra.launcher.{unknown[0]} is not a key of the torchrun launcher "
             f"(keys: {', '.join(sorted(k for k in known if not k.startswith('_')))})"
         )
-    conf = TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()})
+    return checked_settings(TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()}))
+
+
+def checked_settings(conf: TorchrunLauncherConf) -> JobSettings:
+    """`conf` checked (every key's value and how keys combine) and parsed into a job's settings."""
     min_nodes, max_nodes = parse_nnodes(conf.nnodes)
     _check_nproc(conf.nproc_per_node)
     _check_scalars(conf)
