@@ -87,3 +87,108 @@ def test_a_module_that_initialises_cuda_is_never_preloaded(tmp_path: Path) -> No
             record = json.loads((tmp_path / "sweep" / str(job) / f"rank{rank}.json").read_text())
             assert record == {"cuda_initialized_at_start": False, "gpu_lib_at_start": False}, (job, rank)
     assert sys.modules.get("gpu_lib") is None
+
+
+# modules a user's app might have, each doing at import what a fork must not carry to ranks
+UNFIT_MODULES = {
+    "reads_rank.py": 'import os\nRANK = os.environ.get("RANK")\n',
+    "reads_job_var.py": 'import os\nTAG = os.getenv("JOB_TAG")\n',
+    "starts_thread.py": (
+        "import threading\nimport time\n\n"
+        "threading.Thread(target=time.sleep, args=(3600,), name='poller', daemon=True).start()\n"
+    ),
+    "exits_at_import.py": "import sys\nsys.exit(3)\n",
+    "fine.py": "VALUE = 1\n",
+}
+
+WATCH_APP = """
+import json
+import os
+import sys
+
+import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+# what the warm server preloaded, before this body (run in every rank) imports anything
+PRELOADED = sorted(m for m in ("reads_rank", "reads_job_var", "starts_thread", "fine") if m in sys.modules)
+
+import reads_job_var  # noqa: E402
+import reads_rank  # noqa: E402
+
+
+@hydra.main(**VERSION_BASE, config_path=None)
+def main(cfg):
+    record = {"preloaded": PRELOADED, "rank": reads_rank.RANK, "tag": reads_job_var.TAG}
+    with open(f"rank{os.environ['RANK']}.json", "w") as f:
+        json.dump(record, f)
+    return cfg.x
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_preload_leaves_out_what_a_fork_would_carry_wrongly_with_one_line_each(tmp_path: Path) -> None:
+    """A module whose import reads a per-rank or per-job variable, starts a thread or exits is
+    not preloaded (each said once, by name and why); the others are; ranks see their own values."""
+    for name, text in UNFIT_MODULES.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "app.py").write_text(WATCH_APP)
+    result = run_app(
+        tmp_path / "app.py",
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.launcher.preload=[reads_rank,reads_job_var,starts_thread,exits_at_import,fine]",
+            "+hydra.job.env_set.JOB_TAG=tag${hydra:job.num}",
+            "hydra.job.chdir=true",
+            "hydra.sweep.dir=sweep",
+            "+x=0,1",
+        ],
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    prefix = "hydra.launcher.preload: "
+    suffix = "; ranks import it themselves"
+    expected = [
+        f"{prefix}reads_rank is not preloaded: reads_rank reads RANK at import, which differs per rank "
+        "or job",
+        f"{prefix}reads_job_var is not preloaded: reads_job_var reads JOB_TAG at import, which differs per "
+        "rank or job",
+        f"{prefix}starts_thread is not preloaded: it starts a Python thread at import (poller), which a fork "
+        "cannot carry",
+        f"{prefix}exits_at_import is not preloaded: it exits at import (SystemExit: 3)",
+    ]
+    expected = [line + suffix for line in expected]
+    for line in expected:
+        assert output.count(line) == 1, (line, output)
+    assert output.count(prefix) == len(expected), output
+    for job in (0, 1):
+        for rank in (0, 1):
+            record = json.loads((tmp_path / "sweep" / str(job) / f"rank{rank}.json").read_text())
+            assert record == {"preloaded": ["fine"], "rank": str(rank), "tag": f"tag{job}"}, (job, rank)
+
+
+def test_a_preloaded_module_that_kills_the_process_is_named_and_left_out(tmp_path: Path) -> None:
+    """An import that ends the warm server outright (os._exit, a crash) names the module."""
+    (tmp_path / "kills.py").write_text("import os\nos._exit(7)\n")
+    (tmp_path / "app.py").write_text(
+        WATCH_APP.replace(
+            "import reads_job_var  # noqa: E402\nimport reads_rank  # noqa: E402\n", ""
+        ).replace(
+            '"rank": reads_rank.RANK, "tag": reads_job_var.TAG', '"rank": os.environ["RANK"], "tag": None'
+        )
+    )
+    result = run_app(
+        tmp_path / "app.py",
+        ["-m", "hydra/launcher=torchrun", "hydra.launcher.preload=[kills]", "hydra.sweep.dir=sweep", "+x=0"],
+        cwd=tmp_path,
+    )
+    line = (
+        "hydra.launcher.preload: kills is not preloaded: the process ended (exit status 7) while importing "
+        "it; ranks import it themselves"
+    )
+    assert (result.stdout + result.stderr).count(line) == 1, result.stdout + result.stderr
+    assert json.loads((tmp_path / "sweep" / "0" / "rank0.json").read_text())["rank"] == "0"
