@@ -179,7 +179,7 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
             _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload))))
             command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
         else:
-            command = _script_command(plan)
+            command = script_command(plan)
         spec_file = private_dir / "rank.json"
         stop_signal = stop_signal_of(conf)
         spec = {"command": [*conf.launch_prefix, *command], "ignore_signal": stop_signal and int(stop_signal)}
@@ -191,17 +191,22 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
         raise
 
 
-def _script_command(plan: JobPlan) -> List[str]:
-    """The command of a rank in script mode, as torchrun builds it from the launch dir.
-
-    The rank runs in its job dir, so a script path is taken relative to the directory the
-    sweep was launched from (a bare command name of `no_python` is looked up on PATH).
-    """
+def script_path(plan: JobPlan) -> str:
+    """The training script as a rank runs it: the rank runs in its job dir, so a script path
+    is taken relative to the directory the sweep was launched from (a module name is not a
+    path; a bare command name of `no_python` is looked up on PATH)."""
     conf = plan.settings.conf
     assert conf.training_script is not None
     script = conf.training_script
     if not conf.module and (not conf.no_python or os.sep in script):
         script = os.path.join(plan.launch_dir, script)
+    return script
+
+
+def script_command(plan: JobPlan) -> List[str]:
+    """The command of a rank in script mode, as torchrun builds it from the launch dir."""
+    conf = plan.settings.conf
+    script = script_path(plan)
     if conf.no_python:
         return [script, *conf.training_script_args]
     if conf.run_path:
