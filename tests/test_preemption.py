@@ -267,8 +267,12 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     args = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
     code, out = Sweep(app_dir, *args).end()
     assert code == 0, out
-    # the same command: everything comes from the record
+    # the same command on a finished sweep: a new run, every job runs again
     code, out = Sweep(app_dir, *args).end()
+    assert code == 0 and "sweep/sweep_summary.json records a finished sweep" in out, out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 2, out
+    # resume=true: the same sweep comes from its record
+    code, out = Sweep(app_dir, *args, "hydra.launcher.resume=true").end()
     assert code == 0 and "2 completed job(s) come from its record (#0, #1)" in out, out
     assert "[default0]" not in out, out
     # the config changed (not an override): another sweep, every job runs
@@ -278,12 +282,12 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     assert code == 0, out
     assert "sweep/sweep_summary.json records another sweep" in out, out
     assert out.count("[default0]:rank 0: done, 4 steps from 0") == 2, out
-    # the code changed, and the user asks to resume all the same
+    # the code changed: not the same sweep, which resume=true refuses in one line
     source = app_dir / "app.py"
     source.write_text(source.read_text().replace("done,", "finished,"))
     code, out = Sweep(app_dir, *args, "hydra.launcher.resume=true").end()
-    assert code == 0, out
-    assert "the task's source or config changed since the record of job(s) #0, #1" in out, out
+    assert code == 1, out
+    assert "records another sweep (job #0's task code, config, launcher settings" in out, out
     assert "[default0]" not in out, out
 
 

@@ -111,3 +111,86 @@ def test_rerun_sh_and_the_torchrun_line_reproduce_the_job_and_run_no_config_valu
         assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"
     # no nested sweep started in the job dir
     assert not list(job_dir.glob("*/rank0.txt")), list(job_dir.iterdir())
+
+
+RECORD_APP = Path(__file__).parent / "record_app"
+
+
+def _error(out: str) -> str:
+    """The one line Hydra shows for the launcher's error (before its HYDRA_FULL_ERROR hint)."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    hint = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+    return lines[lines.index(hint) - 1] if hint in lines else lines[-1]
+
+
+def _ranks_ran(out: str) -> List[str]:
+    return re.findall(r"^\[default0\]:rank 0: (train_\w lr=[\w.]+)$", out, re.M)
+
+
+def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
+    # job 1 fails for an outside cause: the sweep is finished all the same
+    first = _run(app_dir, *sweep, FAIL_AT="0.2")
+    assert first.returncode == 1, first.stdout
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "FAILED"], first.stdout
+
+    # auto: a finished record is a new run, every job runs again, one line says so
+    again = _run(app_dir, *sweep, FAIL_AT="0.2")
+    assert "sweep/sweep_summary.json records a finished sweep (every job completed or failed): " in again.stdout
+    assert _ranks_ran(again.stdout) == ["train_a lr=0.1"], again.stdout
+
+    # true: the same sweep resumes, finished or not: the failed job is retried, job 0 kept
+    resumed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert resumed.returncode == 0, resumed.stdout
+    assert "1 completed job(s) come from its record (#0)" in resumed.stdout, resumed.stdout
+    assert "Launching 1 jobs" in resumed.stdout, resumed.stdout
+    assert _ranks_ran(resumed.stdout) == ["train_a lr=0.2"], resumed.stdout
+    # rerun.sh of a job that a resume=true run ran works (a rerun has no record to resume)
+    rerun = subprocess.run(["bash", str(app_dir / "sweep" / "1" / "rerun.sh")], env=_env(), capture_output=True)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+
+    # every job from the record: nothing is launched, and the line says so
+    nothing = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert nothing.returncode == 0 and "Nothing to launch: all 2 jobs come from the record" in nothing.stdout
+    assert "Launching" not in nothing.stdout and not _ranks_ran(nothing.stdout), nothing.stdout
+
+    # whatever shapes what a job computes makes it another sweep: resume=true refuses it
+    helper = app_dir / "helper.py"
+    changes = [
+        ({}, ["hydra.launcher.nproc_per_node=2"]),
+        ({}, ["hydra.job.env_set.SEED=2"]),
+        ({"DATASET": "imagenet"}, []),
+        ({"TASK": "b"}, []),
+    ]
+    for env, extra in changes:
+        changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", *extra, **env)
+        assert changed.returncode == 1, (env, extra, changed.stdout)
+        assert _error(changed.stdout).startswith(
+            "hydra.launcher.resume=true: sweep/sweep_summary.json records another sweep (job #0's task code, "
+        ), (env, extra, changed.stdout)
+    helper.write_text(helper.read_text().replace("lr * 10", "lr * 100"))
+    changed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert changed.returncode == 1 and "records another sweep (job #0's task code" in changed.stdout
+
+    # auto with the helper changed: another sweep, every job runs; the record is this run's
+    fresh = _run(app_dir, *sweep)
+    assert fresh.returncode == 0, fresh.stdout
+    assert "sweep/sweep_summary.json records another sweep (job #0's task code" in fresh.stdout
+    assert [j["return_value"] for j in _summary(app_dir / "sweep")] == [10.0, 20.0]
+
+
+def test_the_summary_describes_the_sweep_that_ran_in_strict_json(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    assert _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3").returncode == 0
+    # a changed sweep in the same dir: no stale third row
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,nan")
+    assert result.returncode == 0, result.stdout
+    text = (app_dir / "sweep" / "sweep_summary.json").read_text()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in sweep_summary.json: not JSON")
+
+    jobs = json.loads(text, parse_constant=refuse)["jobs"]
+    assert [j["overrides"] for j in jobs] == [["lr=0.1"], ["lr=nan"]], text
+    assert [j["return_value"] for j in jobs] == [1.0, "nan"], text

@@ -31,12 +31,22 @@ from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals
 from .cluster import resolve_cluster
+from .lock import hold_sweep_lock, lock_name
 from .node_agreement import agree_on_resumption
 from .pool import SweepStopped, react_to_stop, run_jobs
 from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
-from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport
+from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import dry_run_plan, write_rerun_script
-from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
+from .resume import (
+    Record,
+    continues_in_place,
+    fingerprint,
+    log_resumption,
+    read_record,
+    resumption,
+    save_return,
+    task_digest,
+)
 from .settings import resolve_settings
 
 log = logging.getLogger(__name__)
@@ -77,7 +87,7 @@ def launch(
     sweep_key = str(sweep_dir.resolve())
 
     pickled_task, task_error = _pickle_task(launcher.task_function)
-    task_source = source_digest(launcher.task_function, pickled_task)
+    task = task_digest(launcher.task_function)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
     configs: Dict[int, DictConfig] = {}
@@ -92,7 +102,7 @@ def launch(
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
-        plan.fingerprint = fingerprint(task_source, plan.payload.task_cfg)
+        plan.fingerprint = fingerprint(task, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
         plans.append(plan)
         configs[plan.idx] = config
         notes.add(note)
@@ -128,14 +138,10 @@ def _run_plans(
     conf = plans[0].settings.conf
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
+    # before the record is read: no other launcher of this node works in this sweep dir
+    hold_sweep_lock(sweep_dir, lock_name(conf.node_rank, plans[0].settings.max_nodes))
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
-    resumed = resumption(conf.resume, sweep_dir, plans, report.outcomes)
-    if first_launch and not resumed.recorded and report.outcomes:
-        log.info(
-            f"{shown_path(str(report.path))} records another sweep (other jobs, overrides, task or "
-            "config): every job runs, and the record starts afresh"
-        )
-        report.outcomes.clear()
+    resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
     if plans[0].settings.max_nodes > 1 and conf.resume is not False:
         try:
             with notice.interrupting():  # a node that never comes would keep the others waiting
@@ -151,7 +157,10 @@ def _run_plans(
         resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
     log_resumption(sweep_dir, resumed)
     for plan in plans:
-        plan.resumed = plan.idx in resumed.preempted
+        # where its ranks ran before: a checkpoint may be there
+        plan.resumed = plan.idx in resumed.preempted and continues_in_place(
+            sweep_dir, resumed.recorded[plan.idx], plan.output_dir
+        )
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     server = checked_warm_server(preload) if to_run else None
@@ -176,7 +185,7 @@ def _run_plans(
 
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
-        log.info(f"\t#{plan.idx} : {' '.join(filter_overrides(plan.overrides))}{on}")
+        log.info(f"\t{job_title(plan.idx, plan.overrides)}{on}")
         write_rerun_script(plan, configs[plan.idx], job_devices)
         report.started(plan.idx)
 
@@ -186,9 +195,15 @@ def _run_plans(
             save_return(plan.output_dir, job_return)
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
-        report.ended(plan.idx, job_return, status)
+        # a checkpoint may be in the job dir when its ranks ran now, or in the run resumed
+        ranks_ran = plan.resumed or _ranks_ran(job_return)
+        report.ended(plan.idx, job_return, status, ranks_ran)
 
-    log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(sweep_dir))}")
+    shown_dir = shown_path(str(sweep_dir))
+    if to_run:
+        log.info(f"Launching {len(to_run)} jobs with torchrun into {shown_dir}")
+    else:
+        log.info(f"Nothing to launch: all {len(plans)} jobs come from the record in {shown_dir}")
     try:
         ran: Dict[int, JobReturn] = {}
         if server is not None and not notice.received:
@@ -221,6 +236,12 @@ def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any)
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
 
 
+def _ranks_ran(job_return: JobReturn) -> bool:
+    """Whether the job's ranks ran: any end but a preemption before they started."""
+    value = job_return._return_value
+    return not isinstance(value, JobPreempted) or value.ranks_ran
+
+
 def _status_of(job_return: JobReturn, stopped: bool) -> str:
     """The job's status in the sweep's record."""
     if job_return.status == JobStatus.COMPLETED:
@@ -234,7 +255,8 @@ def _report_of(launcher: "SweepLauncher", sweep_dir: Path, resuming: bool) -> Sw
     """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file;
     when it may resume, it starts from the record the sweep dir holds."""
     if launcher.report is None or launcher.report.path.parent != sweep_dir:
-        launcher.report = SweepReport(sweep_dir, read_record(sweep_dir) if resuming else None)
+        record = read_record(sweep_dir) if resuming else Record()
+        launcher.report = SweepReport(sweep_dir, record)
     return launcher.report
 
 
