@@ -137,7 +137,9 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
 
     # auto: a finished record is a new run, every job runs again, one line says so
     again = _run(app_dir, *sweep, FAIL_AT="0.2")
-    assert "sweep/sweep_summary.json records a finished sweep (every job completed or failed): " in again.stdout
+    assert (
+        "sweep/sweep_summary.json records a finished sweep (every job completed or failed): " in again.stdout
+    )
     assert _ranks_ran(again.stdout) == ["train_a lr=0.1"], again.stdout
 
     # true: the same sweep resumes, finished or not: the failed job is retried, job 0 kept
@@ -147,7 +149,9 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     assert "Launching 1 jobs" in resumed.stdout, resumed.stdout
     assert _ranks_ran(resumed.stdout) == ["train_a lr=0.2"], resumed.stdout
     # rerun.sh of a job that a resume=true run ran works (a rerun has no record to resume)
-    rerun = subprocess.run(["bash", str(app_dir / "sweep" / "1" / "rerun.sh")], env=_env(), capture_output=True)
+    rerun = subprocess.run(
+        ["bash", str(app_dir / "sweep" / "1" / "rerun.sh")], env=_env(), capture_output=True
+    )
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
 
     # every job from the record: nothing is launched, and the line says so
@@ -194,3 +198,142 @@ def test_the_summary_describes_the_sweep_that_ran_in_strict_json(tmp_path: Path)
     jobs = json.loads(text, parse_constant=refuse)["jobs"]
     assert [j["overrides"] for j in jobs] == [["lr=0.1"], ["lr=nan"]], text
     assert [j["return_value"] for j in jobs] == [1.0, "nan"], text
+
+
+class _Launcher:
+    """`python app.py ARGS` started in the background, its console in a file."""
+
+    def __init__(self, app_dir: Path, *args: str, umask: int = 0o022, **env: str) -> None:
+        self.out = app_dir / f"console_{len(list(app_dir.glob('console_*')))}.txt"
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "app.py", *args],
+                cwd=app_dir,
+                env=_env(**env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: os.umask(umask),
+            )
+
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for_text(self, text: str, after: str = "", timeout: float = 180) -> None:
+        """Until the console shows `text` after the text `after`."""
+
+        def shown() -> bool:
+            console = self.text()
+            return after in console and text in console[console.index(after) :]
+
+        wait_for(lambda: shown() or self.proc.poll() is not None, timeout, text)
+        assert shown(), self.text()
+
+    def end(self, timeout: float = 240) -> "tuple[int, str]":
+        children = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        code = self.proc.wait(timeout=timeout)
+        assert_gone(children)
+        return code, self.text()
+
+
+def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_002(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, PREEMPT_APP)
+    # jobs long enough for a second launcher to start and be refused while job 1 runs
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=40", "step_s=0.3"]
+    first = _Launcher(app_dir, *sweep, umask=0o002)
+    first.wait_for_text("\t#1 : lr=0.2")
+
+    # a second launcher in the same sweep dir is refused in one line, and runs nothing
+    second = _run(app_dir, *sweep, umask=0o002)
+    assert second.returncode == 1, second.stdout
+    assert re.match(
+        r"hydra\.sweep\.dir=sweep is in use by another launcher \(pid \d+ on .*; its lock: "
+        r"sweep/\.torchrun_launcher\.lock\): wait for it to end",
+        _error(second.stdout),
+    ), second.stdout
+    assert "[default0]" not in second.stdout
+
+    # the first one is killed hard (an OOM killer, a node lost) while job 1 runs
+    assert "rank 0: done, 40 steps" not in first.text().split("\t#1 : lr=0.2")[1], first.text()
+    children = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=60)
+    assert_gone(children)
+
+    # its lock does not block; the unfinished sweep resumes, job 0 from the record (0600
+    # pickle in a group-writable job dir under umask 002)
+    assert (app_dir / "sweep" / "0" / ".hydra").stat().st_mode & 0o020
+    code, out = _Launcher(app_dir, *sweep, umask=0o002).end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0)" in out, out
+    assert "ended: #1 : lr=0.2" in out and out.count("rank 0: done, 40 steps from 0") == 1, out
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+
+def _preempt_job_1(app_dir: Path, *extra: str, **env: str) -> str:
+    sweep = _Launcher(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", *extra, **env)
+    sweep.wait_for_text("[default0]:rank 0: step 2", after="\t#1 : lr=0.2")
+    sweep.proc.send_signal(signal.SIGUSR2)
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    return out
+
+
+def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, PREEMPT_APP)
+    _preempt_job_1(app_dir)
+    stopped_at = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
+    (app_dir / "sweep").rename(app_dir / "moved")
+    code, out = _Launcher(app_dir, "-m", "hydra.sweep.dir=moved", "lr=0.1,0.2").end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0), 1 preempted job(s) continue (#1)" in out, out
+    assert f"[default0]:rank 0: resumed at step {stopped_at}" in out, out
+
+    # preempted again, then resumed with another hydra.sweep.subdir: no checkpoint there
+    shutil.rmtree(app_dir / "moved")
+    _preempt_job_1(app_dir)
+    code, out = _Launcher(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.sweep.subdir=job_${hydra.job.num}"
+    ).end()
+    assert code == 0, out
+    assert "resumed" not in out.split("\t#1 : lr=0.2")[1], out
+    assert "[default0]:rank 0: done, 6 steps from 0" in out, out
+
+
+def test_a_job_stopped_in_its_callback_is_not_resumed(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, PREEMPT_APP)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    callback = ["+hydra.callbacks.hold._target_=gate.HoldOnJobStart"]
+    sweep = _Launcher(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", *callback, GATE_DIR=str(gate))
+    wait_for(lambda: (gate / "in_callback").exists() or sweep.proc.poll() is not None, 180, "on_job_start")
+    sweep.proc.send_signal(signal.SIGUSR2)
+    wait_for(
+        lambda: "the sweep was preempted" in sweep.text() or (gate / "go").touch() or False, 5, "x"
+    ) if False else None
+    (gate / "go").touch()
+    code, out = sweep.end()
+    assert code == 128 + signal.SIGUSR2, out
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["PREEMPTED"], out
+    (gate / "in_callback").unlink()
+    code, out = _Launcher(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", *callback, GATE_DIR=str(gate)
+    ).end()
+    assert code == 0, out
+    assert "resumed" not in out and "[default0]:rank 0: done, 6 steps from 0" in out, out
+
+
+def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
+    assert _run(app_dir, *sweep).returncode == 0
+    pickled = app_dir / "sweep" / "0" / ".hydra" / "job_return.pkl"
+    assert pickled.stat().st_mode & 0o777 == 0o600
+    pickled.write_bytes(pickled.read_bytes()[:20])
+    result = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert result.returncode == 0, result.stdout
+    assert re.search(
+        r"job #0 is completed in the record but sweep/0/\.hydra/job_return\.pkl cannot be read "
+        r"\(\w+: .*\): it runs again",
+        result.stdout,
+    ), result.stdout
+    assert _ranks_ran(result.stdout) == ["train_a lr=0.1"], result.stdout
