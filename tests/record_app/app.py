@@ -6,11 +6,13 @@ goes away: the same sweep, resumed, retries it).
 """
 
 import os
+import signal
+from pathlib import Path
 
 import helper
 import hydra
 import hydra.errors
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
 VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
@@ -27,6 +29,22 @@ def train_b(cfg: DictConfig) -> float:
     print(f"rank {os.environ['RANK']}: train_b lr={cfg.lr}", flush=True)
     return -helper.scale(cfg.lr)
 
+
+_LAUNCHER_PID = os.getpid()
+
+
+def _stop_at(num: str) -> str:
+    """Resolved when the launcher composes a job (its env_set): sends the launcher its stop
+    signal, once, while it composes job number STOP_AT (as a preemption notice
+    that comes at that moment would)."""
+    once = Path(os.environ.get("STOP_ONCE", "stopped_once"))
+    if os.getpid() == _LAUNCHER_PID and str(num) == os.environ.get("STOP_AT") and not once.exists():
+        once.touch()
+        os.kill(os.getpid(), signal.SIGUSR2)
+    return "0"
+
+
+OmegaConf.register_new_resolver("stop_at", _stop_at)
 
 TASK = {"a": train_a, "b": train_b}[os.environ.get("TASK", "a")]
 

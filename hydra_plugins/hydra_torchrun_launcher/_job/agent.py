@@ -53,6 +53,8 @@ class AgentJob:
     # return value when ranks are real processes
     private_dir: Path
     console: RankConsole
+    # the run dirs of torch's logs already in the log dir (an earlier run in this sweep dir)
+    earlier_logs: "frozenset[Path]" = frozenset()
 
 
 def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optional[str] = None) -> Any:
@@ -170,9 +172,11 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
             console=console,
             console_label=plan.console_label,
         )
+        log_dir = Path(job_log_dir(plan))
+        earlier = frozenset(log_dir.glob(f"{plan.rendezvous.run_id}_*")) if log_dir.is_dir() else frozenset()
         if conf.training_script is None and not conf.launch_prefix:
             args = [list(sys.path), cloudpickle.dumps(plan.payload)]
-            return AgentJob(plan, launch_config, run_rank, args, private_dir, console)
+            return AgentJob(plan, launch_config, run_rank, args, private_dir, console, earlier)
 
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
@@ -185,7 +189,7 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
         spec = {"command": [*conf.launch_prefix, *command], "ignore_signal": stop_signal and int(stop_signal)}
         _write_private(spec_file, json.dumps(spec).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
-        return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
+        return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console, earlier)
     except BaseException:
         console.close()
         raise
@@ -304,10 +308,13 @@ def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
 
 
 def _stderr_logs(job: AgentJob) -> List[Path]:
-    """Each local rank's stderr file of the job's last attempt (where tee/redirects kept one)."""
+    """Each local rank's stderr file of this job's last attempt (where tee/redirects kept one);
+    never one of an earlier run's that reused the sweep dir (same rendezvous id)."""
     log_dir = Path(job.launch_config.logs_specs.root_log_dir)  # type: ignore[union-attr]
+    earlier = job.earlier_logs
     attempts = sorted(
-        log_dir.glob(f"{job.launch_config.run_id}_*/attempt_*"), key=lambda p: int(p.name.split("_")[1])
+        (p for p in log_dir.glob(f"{job.launch_config.run_id}_*/attempt_*") if p.parent not in earlier),
+        key=lambda p: int(p.name.split("_")[1]),
     )
     if not attempts:
         return []

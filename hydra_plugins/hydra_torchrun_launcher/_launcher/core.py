@@ -11,6 +11,7 @@ processes run at once (`_launcher.pool`); the same code path runs one at a time.
 import copy
 import logging
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
@@ -29,12 +30,12 @@ from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
-from .._shared.signals import ignored_group_signals
+from .._shared.signals import ignored_group_signals, signals_named
 from .cluster import resolve_cluster
 from .lock import hold_sweep_lock, lock_name
 from .node_agreement import agree_on_resumption
 from .pool import SweepStopped, react_to_stop, run_jobs
-from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
+from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import dry_run_plan, write_rerun_script
 from .resume import (
@@ -85,6 +86,16 @@ def launch(
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_key = str(sweep_dir.resolve())
+    dry_run = OmegaConf.select(launcher.config, "hydra.launcher.dry_run", throw_on_resolution_failure=False)
+    # from the first launch on, for the whole sweep: a notice while jobs are composed or
+    # between a sweeper's batches ends the sweep preempted, as one while jobs run does
+    signum = None if dry_run is True else _sweep_stop_signal(launcher.config)
+    notice = sweep_notice(signum, launcher.hydra_context.callbacks)
+    if notice.received and launcher.report is not None:
+        launcher.report.interrupted = True
+        launcher.report.write()
+        conf = launcher.config.hydra.launcher
+        _end_preempted(notice, "no job of the next batch had started", sweep_dir, conf)
 
     pickled_task, task_error = _pickle_task(launcher.task_function)
     task = task_digest(launcher.task_function)
@@ -117,10 +128,16 @@ def launch(
     if plans[0].settings.conf.dry_run:
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
-    conf = plans[0].settings.conf
-    notice = StopNotice(stop_signal_of(conf))
-    with notice.listening():
-        return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+    return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+
+
+def _sweep_stop_signal(config: DictConfig) -> Optional[int]:
+    """The sweep's `stop_signal` before any job is composed; None when it is off or not one
+    signal (each job's check then refuses it, naming the job)."""
+    raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
+    named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
+    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
+    return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
 def _run_plans(
@@ -225,6 +242,8 @@ def _run_plans(
     if len(plans) > 1 or notice.received:
         report.log_table()
     if notice.received:
+        report.interrupted = True
+        report.write()
         _end_preempted(notice, report.stop_summary(), sweep_dir, conf)
     returns = {**resumed.completed, **ran}
     return [returns[plan.idx] for plan in plans]

@@ -1,9 +1,12 @@
 """The launcher's side of a preemption: the stop signal, the end of the sweep, the requeue.
 
-While a launch runs, the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
+From the sweep's first launch to its end (Hydra's `on_multirun_end`, or the process's
+exit), the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
 `--signal=USR2@120` sends it to every srun task, i.e. to the launcher on every node) is a
 notice, not a kill: it is passed on to every running job's process (`_job.preempt`), whose
-ranks stop at a step boundary; no further job starts. When the running jobs have ended the
+ranks stop at a step boundary; no further job starts. One that comes while jobs are
+composed, or between a sweeper's batches, ends the sweep the same way at the next point
+where the launcher looks. When the running jobs have ended the
 launcher records the sweep, requeues the SLURM batch job when it should, and ends with one
 line saying how the sweep resumes, and the signal's exit status (128 + its number).
 A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
@@ -16,6 +19,8 @@ import sys
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Iterator, List, Mapping, Optional
+
+from hydra.experimental.callback import Callback
 
 from .._shared.signals import group_signals, handled_by
 
@@ -59,12 +64,50 @@ class StopNotice:
         with handled_by(self._interrupt, group_signals()):
             yield
 
-    @contextmanager
-    def listening(self) -> Iterator["StopNotice"]:
-        """Our handler for the stop signal, the launcher's own restored afterwards (main thread
-        only; a launcher that ignores the signal keeps ignoring it, and so do its jobs)."""
-        with handled_by(self._handle, [] if self.signum is None else [self.signum]):
-            yield self
+    def install(self) -> None:
+        """Our handler for the stop signal until `release` (main thread only; a launcher
+        that ignores the signal keeps ignoring it, and so do its jobs)."""
+        self._listening = handled_by(self._handle, [] if self.signum is None else [self.signum])
+        self._listening.__enter__()
+
+    def release(self) -> None:
+        """The launcher's own handler of the stop signal back."""
+        listening, self._listening = getattr(self, "_listening", None), None
+        if listening is not None:
+            listening.__exit__(None, None, None)
+
+
+# the notice of the sweep this process runs, from its first launch to its end
+_SWEEP_NOTICE: List[StopNotice] = []
+
+
+def sweep_notice(signum: Optional[int], callbacks: Any) -> StopNotice:
+    """The sweep's stop notice, installed at its first launch and kept across a sweeper's
+    batches. `callbacks`: Hydra's callbacks of the sweep (`HydraContext.callbacks`); the
+    notice is released at their `on_multirun_end`, so the app has its own handler back
+    after the sweep (where Hydra's list of callbacks is not there, at the process's exit)."""
+    if _SWEEP_NOTICE:
+        return _SWEEP_NOTICE[0]
+    notice = StopNotice(signum)
+    notice.install()
+    _SWEEP_NOTICE.append(notice)
+    registered = getattr(callbacks, "callbacks", None)
+    if isinstance(registered, list):
+        registered.append(ReleaseAtSweepEnd())
+    return notice
+
+
+def release_sweep_notice() -> None:
+    while _SWEEP_NOTICE:
+        _SWEEP_NOTICE.pop().release()
+
+
+class ReleaseAtSweepEnd(Callback):
+    """Hydra's callback that ends the sweep's stop notice (a no-op in a job's process, which
+    gets a copy of the sweep's callbacks but no notice)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        release_sweep_notice()
 
 
 def end_preempted(
