@@ -361,3 +361,47 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     todo = ["train_a lr=0.1", "train_a lr=0.2"] if stop_at == "0" else ["train_a lr=0.2"]
     assert _ranks_ran(resumed.stdout) == todo, resumed.stdout
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+
+@pytest.mark.parametrize("key", ["job_timeout", "stop_timeout"])
+def test_an_infinite_timeout_is_refused_in_one_line(tmp_path: Path, key: str) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1", f"hydra.launcher.{key}=inf")
+    assert result.returncode == 1, result.stdout
+    assert _error(result.stdout).startswith(f"job #0 (lr=0.1): hydra.launcher.{key}=inf is invalid: "), (
+        result.stdout
+    )
+    assert "Traceback" not in result.stdout and not _ranks_ran(result.stdout)
+
+
+def test_a_failed_job_names_this_runs_stderr_log_in_a_reused_sweep_dir(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "fail_at=0.2"]
+    named = []
+    for _ in range(2):
+        result = _run(app_dir, *sweep)
+        assert result.returncode == 1, result.stdout
+        (path,) = set(re.findall(r"its output: (\S+stderr\.log)", result.stdout))
+        named.append(app_dir / path)
+        assert named[-1].is_file(), result.stdout
+    # the second run's own log, not the first run's (same rendezvous id, same job dir)
+    assert named[0] != named[1] and named[0].parent.parent.parent != named[1].parent.parent.parent, named
+
+
+def test_jobs_at_once_with_a_prefix_template_and_a_job_without_overrides_are_labelled(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    template = "hydra.launcher.log_line_prefix_template='<{rank}>'"
+    result = _run(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "hydra.launcher.parallel_jobs=2", template, "lr=0.1,0.2"
+    )
+    assert result.returncode == 0, result.stdout
+    ranks = [line for line in result.stdout.splitlines() if re.match(r"^(#\d )?<\d>", line)]
+    assert ranks and all(re.match(r"^#[01] <[01]>", line) for line in ranks), result.stdout
+
+    # a job without overrides: its number alone, no empty overrides between colons
+    result = _run(app_dir, "-m", "hydra.sweep.dir=single")
+    assert result.returncode == 0, result.stdout
+    assert re.search(r"job 1 of 1 ended: #0 : COMPLETED in [\d.]+s, returned 1\.0", result.stdout), (
+        result.stdout
+    )
+    assert " :  : " not in result.stdout, result.stdout

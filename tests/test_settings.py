@@ -126,6 +126,14 @@ def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
             "hydra.launcher.launch_prefix='numactl' is invalid: use a list of strings",
         ),
         ("monitor_interval", 0, "hydra.launcher.monitor_interval=0.0 is invalid"),
+        # no limit is null (job_timeout), not inf: a timer cannot be set to inf
+        (
+            "job_timeout",
+            float("inf"),
+            "hydra.launcher.job_timeout=inf is invalid: use null (no limit) or a finite",
+        ),
+        ("stop_timeout", float("inf"), "hydra.launcher.stop_timeout=inf is invalid: use a finite number"),
+        ("monitor_interval", float("nan"), "hydra.launcher.monitor_interval=nan is invalid"),
         ("cluster", "pbs", "hydra.launcher.cluster='pbs' is invalid: use one of auto, none, slurm"),
         ("devices", [0, 0], "hydra.launcher.devices=['0', '0'] is invalid: list each device id once"),
         (
