@@ -395,3 +395,28 @@ def test_nodes_that_disagree_on_a_job_fail_it_promptly(cluster: Cluster) -> None
         # promptly: well before any rendezvous or store timeout (minutes)
         assert node.elapsed_s is not None and node.elapsed_s < 60, report(nodes)
     assert_gone(rank_pids(nodes, [0]))
+
+
+def test_a_node_whose_peer_never_comes_says_what_it_waits_for_and_ends_on_one_line(cluster: Cluster) -> None:
+    port = free_port()
+    args = [
+        "hydra.launcher.nnodes=2",
+        "hydra.launcher.rdzv_backend=c10d",
+        f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "hydra.launcher.rdzv_conf={join_timeout:5}",
+        "+x=0",
+    ]
+    env = base_env()
+    del env["HYDRA_FULL_ERROR"]  # errors as a user sees them
+    cluster.start([args], [env])
+    (node,) = cluster.wait(timeout=90)
+    out = node.output()
+    assert node.proc.returncode == 1, out
+    lines = out.splitlines()
+    # at once, before the job waits: for how many nodes, where
+    waits = next(i for i, line in enumerate(lines) if f"waits for 2 nodes at 127.0.0.1:{port}" in line)
+    assert waits < next(i for i, line in enumerate(lines) if "\t#0 : +x=0" in line), out
+    assert "Traceback" not in out and "RendezvousTimeoutError\n" not in out, out
+    said = f"the job's nodes did not meet (RendezvousTimeoutError): it waited for 2 nodes at 127.0.0.1:{port}"
+    assert [line for line in lines if line.startswith(said)], out
+    assert node.elapsed_s is not None and node.elapsed_s < 60, out

@@ -188,8 +188,8 @@ def one_of_two_nodes(tmp_path: Path) -> Iterator[Cluster]:
         nodes.close()
 
 
-def _start_first_node(nodes: Cluster, *extra: str) -> "tuple[Node, int]":
-    port = free_port()
+def _start_first_node(nodes: Cluster, *extra: str, port: int = 0) -> "tuple[Node, int]":
+    port = port or free_port()
     args = [
         "hydra.launcher.nnodes=2",
         "hydra.launcher.rdzv_backend=c10d",
@@ -306,13 +306,23 @@ def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sig, how", [(signal.SIGUSR2, "preempted"), (signal.SIGTERM, "stopped")])
 def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher_on_one_line(
-    one_of_two_nodes: Cluster, sig: int, how: str
+    one_of_two_nodes: Cluster, tmp_path: Path, sig: int, how: str
 ) -> None:
-    node, port = _start_first_node(one_of_two_nodes)
-    # before any job, the launcher waits in the rendezvous where the nodes agree
-    wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
-    node.proc.send_signal(sig)
-    (node,) = one_of_two_nodes.wait(timeout=60)
+    # a first run stopped in job 0's rendezvous leaves an unfinished record: something to resume
+    first, port = _start_first_node(one_of_two_nodes)
+    wait_for(lambda: _listening(first.proc.pid, port), 120, "job 0's rendezvous")
+    first.proc.send_signal(signal.SIGUSR2)
+    one_of_two_nodes.wait(timeout=60)
+    (tmp_path / "again").mkdir()
+    again = Cluster(tmp_path / "again")
+    try:
+        node, _ = _start_first_node(again, f"hydra.sweep.dir={first.sweep_dir}", port=port)
+        # before any job, the launcher waits in the rendezvous where the nodes agree
+        wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
+        node.proc.send_signal(sig)
+        (node,) = again.wait(timeout=60)
+    finally:
+        again.close()
     out = node.output()
     assert node.proc.returncode == 128 + sig, out
     assert (

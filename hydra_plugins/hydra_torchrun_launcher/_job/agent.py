@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import cloudpickle
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .._rank.forkserver import start_rank_forkserver
@@ -266,6 +267,9 @@ def _run_agent(job: AgentJob) -> Any:
         failure = preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
             f"the job was stopped by signal {signal.Signals(e.sigval).name}"
         )
+    except RendezvousError as e:
+        # a node that never came (or left): one line, not torch's traceback of its agent
+        failure = JobFailedError(_rendezvous_failed(job.plan, e))
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
@@ -282,6 +286,18 @@ def _run_agent(job: AgentJob) -> Any:
         failure = preempted
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
+
+
+def _rendezvous_failed(plan: JobPlan, error: Exception) -> str:
+    """Why the job's nodes did not meet, with what it waited for and how to wait longer."""
+    settings, rendezvous = plan.settings, plan.rendezvous
+    nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else settings.conf.nnodes
+    said = f": {error}" if str(error) else ""
+    return (
+        f"the job's nodes did not meet ({type(error).__name__}{said}): it waited for {nodes} nodes at "
+        f"{rendezvous.endpoint} (id {rendezvous.run_id}); run the same command on every node, or wait "
+        "longer: hydra.launcher.rdzv_conf={join_timeout:SECONDS}"
+    )
 
 
 def _leave_together(plan: JobPlan) -> None:

@@ -33,7 +33,7 @@ from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals, signals_named
 from .cluster import resolve_cluster
 from .lock import hold_sweep_lock, lock_name
-from .node_agreement import agree_on_resumption
+from .node_agreement import agree_on_resumption, waiting_for_nodes
 from .pool import SweepStopped, react_to_stop, run_jobs
 from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
@@ -159,7 +159,11 @@ def _run_plans(
     hold_sweep_lock(sweep_dir, lock_name(conf.node_rank, plans[0].settings.max_nodes))
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
     resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    if plans[0].settings.max_nodes > 1 and conf.resume is not False:
+    if plans[0].settings.max_nodes > 1 and first_launch:
+        log.info(waiting_for_nodes(plans[0]))
+    if plans[0].settings.max_nodes > 1 and conf.resume is not False and resumed.recorded:
+        # only a node that has something to resume asks the others (with a shared sweep dir
+        # every node reads the same record, so all ask, or none does)
         try:
             with notice.interrupting():  # a node that never comes would keep the others waiting
                 done, resumed.preempted = agree_on_resumption(
