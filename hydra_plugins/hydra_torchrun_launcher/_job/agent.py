@@ -109,13 +109,16 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
 
 
 def job_log_dir(plan: JobPlan) -> str:
-    """Where torch keeps the job's rank logs: `log_dir` (from the launch dir), else the job dir."""
+    """Where torch keeps the job's rank logs: `log_dir` (from the launch dir), else the job dir;
+    in a multi-node job, in a dir of the node's own (`node<k>`), so that nodes sharing a sweep
+    dir do not mix their trees."""
     conf = plan.settings.conf
-    return (
+    root = (
         os.path.join(plan.launch_dir, conf.log_dir)
         if conf.log_dir
         else str(plan.output_dir / "torchrun_logs")
     )
+    return os.path.join(root, f"node{plan.node_slot}") if plan.settings.max_nodes > 1 else root
 
 
 def _rank_exits_to_file(path: Path) -> None:
@@ -259,7 +262,7 @@ def _run_agent(job: AgentJob) -> Any:
             preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
             preempt.agent_ended()
-            _leave_together(job.plan)
+            returned = _leave_together(job, outputs)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
@@ -282,7 +285,7 @@ def _run_agent(job: AgentJob) -> Any:
     if failure is None:
         preempted = preempt.outcome()
         if preempted is None:
-            return _node_return_value(job, outputs)
+            return returned
         failure = preempted
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
@@ -300,11 +303,28 @@ def _rendezvous_failed(plan: JobPlan, error: Exception) -> str:
     )
 
 
-def _leave_together(plan: JobPlan) -> None:
-    """A multi-node job's nodes let its rendezvous store go in order (`_job.node_exit`)."""
+def _leave_together(job: AgentJob, outputs: Dict[int, Any]) -> Any:
+    """Global rank 0's return value, on every node of the job: the nodes of a multi-node job
+    share it as they let its rendezvous store go, in order (`_job.node_exit`)."""
+    plan = job.plan
     settings = plan.settings
     nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else 0
-    leave_together(plan.rendezvous.backend, plan.rendezvous.endpoint, plan.rendezvous.run_id, nodes)
+    has_rank0 = 0 in outputs
+    own = _node_return_value(job, outputs)
+    shared = leave_together(
+        plan.rendezvous.backend,
+        plan.rendezvous.endpoint,
+        plan.rendezvous.run_id,
+        nodes,
+        cloudpickle.dumps(own) if has_rank0 else None,
+    )
+    if shared is None:
+        if nodes > 1 and not has_rank0:
+            log.warning(
+                f"job #{plan.idx}: global rank 0's return value did not reach this node; its own is kept"
+            )
+        return own
+    return own if has_rank0 else cloudpickle.loads(shared)
 
 
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:

@@ -8,6 +8,7 @@ and torch's elastic agent runs its ranks (`_job.process`). Up to `parallel_jobs`
 processes run at once (`_launcher.pool`); the same code path runs one at a time.
 """
 
+import contextlib
 import copy
 import logging
 import os
@@ -32,7 +33,7 @@ from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals, signals_named
 from .cluster import resolve_cluster
-from .lock import hold_sweep_lock, lock_name
+from .lock import hold_sweep_lock, holder
 from .node_agreement import agree_on_resumption, waiting_for_nodes
 from .pool import SweepStopped, react_to_stop, run_jobs
 from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
@@ -49,6 +50,7 @@ from .resume import (
     task_digest,
 )
 from .settings import resolve_settings
+from .shared_dir import publish_decision, take_decision
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,9 @@ class SweepLauncher(Protocol):
     task_function: Optional[TaskFunction]
     report: Any
 
+
+# how long a node that shares node 0's sweep dir waits for its decision (c10d's join_timeout)
+_NODE_WAIT_S = 600.0
 
 # after its job_timeout, how long a job process may take beyond its ranks' shutdown
 _STOP_MARGIN_S = 30.0
@@ -156,26 +161,41 @@ def _run_plans(
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
     # before the record is read: no other launcher of this node works in this sweep dir
-    hold_sweep_lock(sweep_dir, lock_name(conf.node_rank, plans[0].settings.max_nodes))
+    slot = hold_sweep_lock(sweep_dir, plans[0].settings.max_nodes)
+    writes = slot == 0  # one node keeps the record of a sweep dir the nodes share
+    for plan in plans:
+        plan.node_slot = slot
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
-    resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    if plans[0].settings.max_nodes > 1 and first_launch:
+    report.writes = writes
+    multi_node = plans[0].settings.max_nodes > 1
+    if multi_node and first_launch:
         log.info(waiting_for_nodes(plans[0]))
-    if plans[0].settings.max_nodes > 1 and conf.resume is not False and resumed.recorded:
-        # only a node that has something to resume asks the others (with a shared sweep dir
-        # every node reads the same record, so all ask, or none does)
-        try:
-            with notice.interrupting():  # a node that never comes would keep the others waiting
+    jobs = [plan.idx for plan in plans]
+    # a node that never comes would keep the others waiting: a stop ends the wait at once
+    waiting = notice.interrupting() if multi_node else contextlib.nullcontext()
+    try:
+        with waiting:
+            if writes:
+                resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
+                # only a node that has something to resume asks the others
+                asks = multi_node and conf.resume is not False and bool(resumed.recorded)
+                if multi_node:  # the nodes that share this sweep dir take node 0's word
+                    publish_decision(sweep_dir, holder(sweep_dir), jobs, resumed, asks)
+            else:
+                timeout_s = float(plans[0].rendezvous.configs.get("join_timeout", _NODE_WAIT_S))
+                resumed, asks = take_decision(sweep_dir, holder(sweep_dir), jobs, timeout_s)
+                report.recorded.jobs.update(resumed.recorded)
+            if asks:
                 done, resumed.preempted = agree_on_resumption(
                     plans[0], set(resumed.completed), resumed.preempted
                 )
-        except StoppedBeforeJobs as stopped:
-            agreeing = "no job had started (the nodes were agreeing on what to resume)"
-            if stopped.signum == notice.signum:
-                _end_preempted(notice, agreeing, sweep_dir, conf)
-            react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
-            raise SweepStopped(stopped.signum) from None
-        resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
+                resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
+    except StoppedBeforeJobs as stopped:
+        agreeing = "no job had started (the nodes were agreeing on what to resume)"
+        if stopped.signum == notice.signum:
+            _end_preempted(notice, agreeing, sweep_dir, conf)
+        react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
+        raise SweepStopped(stopped.signum) from None
     log_resumption(sweep_dir, resumed)
     for plan in plans:
         # where its ranks ran before: a checkpoint may be there
@@ -192,7 +212,7 @@ def _run_plans(
         return encode_request(
             JobRequest(
                 plan=plan,
-                config=configs[plan.idx],
+                config=configs[plan.idx] if writes else _without_bookkeeping(configs[plan.idx]),
                 hydra_context=hydra_context,
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
@@ -207,12 +227,13 @@ def _run_plans(
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
         log.info(f"\t{job_title(plan.idx, plan.overrides)}{on}")
-        write_rerun_script(plan, configs[plan.idx], job_devices)
+        if writes:
+            write_rerun_script(plan, configs[plan.idx], job_devices)
         report.started(plan.idx)
 
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
         status = _status_of(job_return, stopped)
-        if status == COMPLETED:
+        if status == COMPLETED and writes:
             save_return(plan.output_dir, job_return)
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
@@ -257,6 +278,15 @@ def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any)
     """The sweep ends preempted (`_launcher.preempt.end_preempted`)."""
     assert notice.signum is not None
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
+
+
+def _without_bookkeeping(config: DictConfig) -> DictConfig:
+    """The job's config for a node that shares its sweep dir with node 0, which writes the
+    job's `.hydra/` files: Hydra's run_job writes none here (`hydra.output_subdir: null`)."""
+    config = copy.deepcopy(config)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
+    return config
 
 
 def _ranks_ran(job_return: JobReturn) -> bool:

@@ -89,6 +89,8 @@ class SweepReport:
         self.outcomes: Dict[int, JobOutcome] = {}
         # the run was stopped between a sweeper's batches: it did not reach its end
         self.interrupted = False
+        # this launcher keeps the record (node 0 of the nodes that share the sweep dir)
+        self.writes = True
         self._started: Dict[int, float] = {}
         self._batch: List[int] = []
 
@@ -156,6 +158,8 @@ class SweepReport:
 
     def write(self) -> None:
         """The summary file, replaced whole and durably: a reader never sees half of it."""
+        if not self.writes:
+            return
         jobs = [asdict(self.outcomes[num]) for num in sorted(self.outcomes)]
         record: Dict[str, Any] = {"jobs": jobs}
         if self.interrupted:
