@@ -124,7 +124,7 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, 
     if mode is False or not record.jobs:
         if mode is True and first:
             raise LauncherConfigError(
-                f"hydra.launcher.resume=true: {shown_path(str(sweep_dir))} holds no record of a sweep "
+                f"hydra.launcher.resume=true: {shown_path(str(sweep_dir))} holds no record of this sweep "
                 f"(no readable {SUMMARY_FILE}); set hydra.launcher.resume=auto to run it afresh"
             )
         return found
