@@ -405,3 +405,59 @@ def test_jobs_at_once_with_a_prefix_template_and_a_job_without_overrides_are_lab
         result.stdout
     )
     assert " :  : " not in result.stdout, result.stdout
+
+
+def _torchrun_line(out: str) -> "tuple[str, List[str]]":
+    """The dry run's torchrun line of its only job, and its `(it cannot express: ...)` line."""
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "\ttorchrun:" in line)
+    cannot = [line.strip() for line in lines[at + 1 : at + 2] if "it cannot express" in line]
+    return lines[at].split("torchrun:", 1)[1].strip(), cannot
+
+
+def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    (app_dir / "write.py").write_text(
+        "import os, sys\nopen(f\"out_{os.environ['RANK']}.txt\", 'w').write(' '.join(sys.argv[1:]) + '\\n')\n"
+    )
+    job = [
+        "-m",
+        "hydra.sweep.dir=sweep",
+        "world=1",
+        "hydra.launcher.training_script=write.py",
+        "hydra.launcher.shutdown_timeout=7",
+        "hydra.launcher.virtual_local_rank=true",
+        "hydra.launcher.dry_run=true",
+    ]
+    result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,x]")
+    assert result.returncode == 0, result.stdout
+    line, cannot = _torchrun_line(result.stdout)
+    job_dir = app_dir / "sweep" / "0"
+    quoted = shlex.quote(str(job_dir))
+    assert line.startswith(f"mkdir -p {quoted} && cd {quoted} && "), line
+    assert "--shutdown-timeout=7" in line and "--virtual-local-rank" in line and not cannot, line
+    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (job_dir / "out_0.txt").read_text() == "--tag x\n"
+
+    # what a torchrun line cannot do is said, not left out
+    result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,'{rank}']")
+    _, cannot = _torchrun_line(result.stdout)
+    assert cannot == [
+        "(it cannot express: {rank}/{local_rank} in {rank} (replaced per rank by the launcher))"
+    ]
+
+
+def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path)
+    prefix = "hydra.launcher.launch_prefix=[env,'TAG=prefixed']"
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "world=1", prefix, "hydra.launcher.dry_run=true")
+    assert result.returncode == 0, result.stdout
+    line, cannot = _torchrun_line(result.stdout)
+    assert " --no-python env TAG=prefixed " in line and not cannot, line
+    run = subprocess.run(
+        shlex.split(line), cwd=app_dir, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    # the job ran through its prefix, in its job dir (Hydra's run mode applies env_set itself)
+    assert (app_dir / "sweep" / "0" / "rank0.txt").read_text() == "1 job0 0.1\n"

@@ -198,7 +198,8 @@ def plain_torchrun_line(
     env = job_environment(plan, devices)
     cd = ""
     if conf.training_script is not None:
-        cd = f"cd {shlex.quote(str(plan.output_dir))} && "
+        job_dir = shlex.quote(str(plan.output_dir))
+        cd = f"mkdir -p {job_dir} && cd {job_dir} && "
         if conf.module:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
