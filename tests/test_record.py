@@ -338,6 +338,17 @@ def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
     ), result.stdout
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1"], result.stdout
 
+    # a summary cut short (a full disk): nothing is resumed from it, every job runs
+    summary = app_dir / "sweep" / "sweep_summary.json"
+    summary.write_text(summary.read_text()[:40])
+    result = _run(app_dir, *sweep)
+    assert result.returncode == 0, result.stdout
+    assert re.search(
+        r"sweep/sweep_summary\.json cannot be read as this launcher's record \(\w+: .*\): nothing is resumed",
+        result.stdout,
+    ), result.stdout
+    assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
+
 
 @pytest.mark.parametrize("stop_at, batch", [("0", []), ("1", ["hydra.sweeper.max_batch_size=1"])])
 def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
