@@ -57,13 +57,14 @@ log = logging.getLogger(__name__)
 
 class SweepLauncher(Protocol):
     """What a launch needs of Hydra's launcher object (`TorchrunLauncher`): what Hydra's
-    `setup` gave it, and the sweep's report, kept there across a sweeper's batches. A
-    protocol, so that this module never imports the public module that imports it."""
+    `setup` gave it, and the sweep's report and stop notice, kept there across a sweeper's
+    batches. A protocol, so that this module never imports the public module that imports it."""
 
     config: Optional[DictConfig]
     hydra_context: Optional[HydraContext]
     task_function: Optional[TaskFunction]
     report: Any
+    notice: Any
 
 
 # how long a node that shares node 0's sweep dir waits for its decision (c10d's join_timeout)
@@ -95,7 +96,7 @@ def launch(
     # from the first launch on, for the whole sweep: a notice while jobs are composed or
     # between a sweeper's batches ends the sweep preempted, as one while jobs run does
     signum = None if dry_run is True else _sweep_stop_signal(launcher.config)
-    notice = sweep_notice(signum, launcher.hydra_context.callbacks)
+    notice = launcher.notice = sweep_notice(launcher.notice, signum, launcher.hydra_context.callbacks)
     if notice.received and launcher.report is not None:
         launcher.report.interrupted = True
         launcher.report.write()

@@ -12,13 +12,14 @@ line saying how the sweep resumes, and the signal's exit status (128 + its numbe
 A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
 """
 
+import itertools
 import shutil
 import signal
 import subprocess
 import sys
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from hydra.experimental.callback import Callback
 
@@ -77,37 +78,40 @@ class StopNotice:
             listening.__exit__(None, None, None)
 
 
-# the notice of the sweep this process runs, from its first launch to its end
-_SWEEP_NOTICE: List[StopNotice] = []
+# the notices installed, by the token their release callback holds
+_INSTALLED: Dict[int, StopNotice] = {}
+_TOKENS = itertools.count()
 
 
-def sweep_notice(signum: Optional[int], callbacks: Any) -> StopNotice:
-    """The sweep's stop notice, installed at its first launch and kept across a sweeper's
-    batches. `callbacks`: Hydra's callbacks of the sweep (`HydraContext.callbacks`); the
-    notice is released at their `on_multirun_end`, so the app has its own handler back
-    after the sweep (where Hydra's list of callbacks is not there, at the process's exit)."""
-    if _SWEEP_NOTICE:
-        return _SWEEP_NOTICE[0]
+def sweep_notice(existing: Optional[StopNotice], signum: Optional[int], callbacks: Any) -> StopNotice:
+    """The sweep's stop notice: `existing` (the launcher's, from an earlier batch), else a new
+    one, installed now and kept across a sweeper's batches. `callbacks`: Hydra's callbacks
+    of the sweep (`HydraContext.callbacks`); the notice is released at their
+    `on_multirun_end`, so the app has its own handler back after the sweep (where Hydra's
+    list of callbacks is not there, at the process's exit)."""
+    if existing is not None:
+        return existing
     notice = StopNotice(signum)
     notice.install()
-    _SWEEP_NOTICE.append(notice)
+    token = next(_TOKENS)
+    _INSTALLED[token] = notice
     registered = getattr(callbacks, "callbacks", None)
     if isinstance(registered, list):
-        registered.append(ReleaseAtSweepEnd())
+        registered.append(ReleaseAtSweepEnd(token))
     return notice
 
 
-def release_sweep_notice() -> None:
-    while _SWEEP_NOTICE:
-        _SWEEP_NOTICE.pop().release()
-
-
 class ReleaseAtSweepEnd(Callback):
-    """Hydra's callback that ends the sweep's stop notice (a no-op in a job's process, which
-    gets a copy of the sweep's callbacks but no notice)."""
+    """Hydra's callback that ends a sweep's stop notice. It travels with the sweep's callbacks
+    to every job's process, which has no notice: there it does nothing."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        release_sweep_notice()
+        notice = _INSTALLED.pop(self.token, None)
+        if notice is not None:
+            notice.release()
 
 
 def end_preempted(
