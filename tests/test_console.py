@@ -165,7 +165,7 @@ def test_dry_run_prints_every_jobs_plan_and_starts_nothing(tmp_path: Path) -> No
     # the torchrun line is the job: run as it is printed, plain torchrun runs job #3
     command = shlex.split(_torchrun_lines(out)[3])
     assert command[:2] == ["env", "TAG=job3"] and command[2] == "torchrun", command
-    assert "--nproc-per-node=2" in command and command[-4:-2] == ["lr=0.2", "world=2"], command
+    assert "--nproc-per-node=2" in command and command[-5:-3] == ["lr=0.2", "world=2"], command
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     torchrun = subprocess.run(
         command, cwd=app_dir, env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=240

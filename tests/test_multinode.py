@@ -85,8 +85,8 @@ class Node:
         facts = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank*.json"))]
         return {int(f["env"]["RANK"]): f for f in facts}
 
-    def job_return(self, job: int) -> Dict[str, Any]:
-        path = self.sweep_dir / str(job) / "job_return.json"
+    def job_return(self, job: int, suffix: str = "") -> Dict[str, Any]:
+        path = self.sweep_dir / str(job) / f"job_return{suffix}.json"
         assert path.is_file(), f"node {self.index} recorded no JobReturn for job {job}"
         return json.loads(path.read_text())
 
@@ -200,11 +200,11 @@ def check_job_across_nodes(nodes: Sequence[Node], job: int, x: int, nproc: int) 
             # every rank of the world, on either node, ran this job with the same x
             assert facts["xs"] == [x] * world, context
             assert facts["allreduce"] == world * (world + 1) / 2, context
-        # this node's JobReturn: global rank 0's value on the node that has rank 0, else the
-        # node's first rank's value (the node without rank 0 does not fail for lack of it)
+        # this node's JobReturn: global rank 0's value, whichever node ran rank 0
         job_return = node.job_return(job)
         assert job_return["status"] == "COMPLETED", (job_return, context)
-        assert job_return["return_value"] == ranks[min(ranks)], context
+        rank0 = next(ranks[0] for ranks in per_node if 0 in ranks)
+        assert job_return["return_value"] == rank0, context
     assert sorted(group_of_node.values()) == [0, 1], context
     return group_of_node
 
@@ -396,3 +396,69 @@ def test_nodes_that_disagree_on_a_job_fail_it_promptly(cluster: Cluster) -> None
         # promptly: well before any rendezvous or store timeout (minutes)
         assert node.elapsed_s is not None and node.elapsed_s < 60, report(nodes)
     assert_gone(rank_pids(nodes, [0]))
+
+
+def test_a_node_whose_peer_never_comes_says_what_it_waits_for_and_ends_on_one_line(cluster: Cluster) -> None:
+    port = free_port()
+    args = [
+        "hydra.launcher.nnodes=2",
+        "hydra.launcher.rdzv_backend=c10d",
+        f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "hydra.launcher.rdzv_conf={join_timeout:5}",
+        "+x=0",
+    ]
+    env = base_env()
+    del env["HYDRA_FULL_ERROR"]  # errors as a user sees them
+    cluster.start([args], [env])
+    (node,) = cluster.wait(timeout=90)
+    out = node.output()
+    assert node.proc.returncode == 1, out
+    lines = out.splitlines()
+    # at once, before the job waits: for how many nodes, where
+    waits = next(i for i, line in enumerate(lines) if f"waits for 2 nodes at 127.0.0.1:{port}" in line)
+    assert waits < next(i for i, line in enumerate(lines) if "\t#0 : +x=0" in line), out
+    assert "Traceback" not in out and "RendezvousTimeoutError\n" not in out, out
+    said = f"the job's nodes did not meet (RendezvousTimeoutError): it waited for 2 nodes at 127.0.0.1:{port}"
+    assert [line for line in lines if line.startswith(said)], out
+    assert node.elapsed_s is not None and node.elapsed_s < 60, out
+
+
+def test_nodes_sharing_a_sweep_dir_keep_one_record_and_get_rank_0s_value(cluster: Cluster) -> None:
+    """The README's recipe: one sweep dir on a shared filesystem for every node."""
+    import pickle
+
+    port = free_port()
+    shared = cluster.tmp_path / "shared"
+    args = [
+        "hydra.launcher.nnodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.rdzv_backend=c10d",
+        f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}",
+        "hydra.launcher.rdzv_id=mn-shared",
+        f"hydra.sweep.dir={shared}",
+        "+x=1,2",
+    ]
+    cluster.start([args, args], [base_env(RECORD_SUFFIX=f"_node{n}") for n in (0, 1)])
+    nodes = cluster.wait()
+    for node in nodes:
+        assert node.proc.returncode == 0, report(nodes)
+    for job in (0, 1):
+        job_dir = shared / str(job)
+        facts = {int(p.stem[4:]): json.loads(p.read_text()) for p in (job_dir / "ranks").glob("rank*.json")}
+        assert sorted(facts) == [0, 1, 2, 3], report(nodes)
+        # every node's launcher got global rank 0's JobReturn
+        for n in (0, 1):
+            returned = json.loads((job_dir / f"job_return_node{n}.json").read_text())
+            assert returned["return_value"] == facts[0], report(nodes)
+        # one record, written by one node: rank 0's value; each node's torch logs apart
+        with open(job_dir / ".hydra" / "job_return.pkl", "rb") as f:
+            assert pickle.load(f).return_value == facts[0]
+        assert sorted(p.name for p in (job_dir / "torchrun_logs").iterdir()) == ["node0", "node1"]
+    jobs = json.loads((shared / "sweep_summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["COMPLETED", "COMPLETED"], jobs
+    assert [j["return_value"]["env"]["RANK"] for j in jobs] == ["0", "0"], jobs
+    assert sorted(p.name for p in shared.glob(".torchrun_launcher*.lock")) == [
+        ".torchrun_launcher.lock",
+        ".torchrun_launcher.node1.lock",
+    ]
+    assert_gone(rank_pids(nodes, [0, 1]))

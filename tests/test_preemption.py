@@ -208,8 +208,8 @@ def one_of_two_nodes(tmp_path: Path) -> Iterator[Cluster]:
         nodes.close()
 
 
-def _start_first_node(nodes: Cluster, *extra: str) -> "tuple[Node, int]":
-    port = free_port()
+def _start_first_node(nodes: Cluster, *extra: str, port: int = 0) -> "tuple[Node, int]":
+    port = port or free_port()
     args = [
         "hydra.launcher.nnodes=2",
         "hydra.launcher.rdzv_backend=c10d",
@@ -287,8 +287,12 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     args = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
     code, out = Sweep(app_dir, *args).end()
     assert code == 0, out
-    # the same command: everything comes from the record
+    # the same command on a finished sweep: a new run, every job runs again
     code, out = Sweep(app_dir, *args).end()
+    assert code == 0 and "sweep/sweep_summary.json records a finished sweep" in out, out
+    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 2, out
+    # resume=true: the same sweep comes from its record
+    code, out = Sweep(app_dir, *args, "hydra.launcher.resume=true").end()
     assert code == 0 and "2 completed job(s) come from its record (#0, #1)" in out, out
     assert "[default0]" not in out, out
     # the config changed (not an override): another sweep, every job runs
@@ -298,12 +302,12 @@ def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path
     assert code == 0, out
     assert "sweep/sweep_summary.json records another sweep" in out, out
     assert out.count("[default0]:rank 0: done, 4 steps from 0") == 2, out
-    # the code changed, and the user asks to resume all the same
+    # the code changed: not the same sweep, which resume=true refuses in one line
     source = app_dir / "app.py"
     source.write_text(source.read_text().replace("done,", "finished,"))
     code, out = Sweep(app_dir, *args, "hydra.launcher.resume=true").end()
-    assert code == 0, out
-    assert "the task's source or config changed since the record of job(s) #0, #1" in out, out
+    assert code == 1, out
+    assert "records another sweep (job #0's task code, config, launcher settings" in out, out
     assert "[default0]" not in out, out
 
 
@@ -407,13 +411,23 @@ def test_ranks_out_of_phase_stop_at_the_same_call_one_call_after_the_first_saw_t
 
 @pytest.mark.parametrize("sig, how", [(signal.SIGUSR2, "preempted"), (signal.SIGTERM, "stopped")])
 def test_a_stop_while_the_nodes_agree_on_what_to_resume_ends_the_launcher_on_one_line(
-    one_of_two_nodes: Cluster, sig: int, how: str
+    one_of_two_nodes: Cluster, tmp_path: Path, sig: int, how: str
 ) -> None:
-    node, port = _start_first_node(one_of_two_nodes)
-    # before any job, the launcher waits in the rendezvous where the nodes agree
-    wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
-    node.proc.send_signal(sig)
-    (node,) = one_of_two_nodes.wait(timeout=60)
+    # a first run stopped in job 0's rendezvous leaves an unfinished record: something to resume
+    first, port = _start_first_node(one_of_two_nodes)
+    wait_for(lambda: _listening(first.proc.pid, port), 120, "job 0's rendezvous")
+    first.proc.send_signal(signal.SIGUSR2)
+    one_of_two_nodes.wait(timeout=60)
+    (tmp_path / "again").mkdir()
+    again = Cluster(tmp_path / "again")
+    try:
+        node, _ = _start_first_node(again, f"hydra.sweep.dir={first.sweep_dir}", port=port)
+        # before any job, the launcher waits in the rendezvous where the nodes agree
+        wait_for(lambda: _listening(node.proc.pid, port), 120, "the nodes' agreement")
+        node.proc.send_signal(sig)
+        (node,) = again.wait(timeout=60)
+    finally:
+        again.close()
     out = node.output()
     assert node.proc.returncode == 128 + sig, out
     assert (

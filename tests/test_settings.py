@@ -131,6 +131,14 @@ def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
             "pbs",
             "hydra.launcher.cluster='pbs' is invalid: use one of auto, none, slurm, pet, mpi, lsf",
         ),
+        # no limit is null (job_timeout), not inf: a timer cannot be set to inf
+        (
+            "job_timeout",
+            float("inf"),
+            "hydra.launcher.job_timeout=inf is invalid: use null (no limit) or a finite",
+        ),
+        ("stop_timeout", float("inf"), "hydra.launcher.stop_timeout=inf is invalid: use a finite number"),
+        ("monitor_interval", float("nan"), "hydra.launcher.monitor_interval=nan is invalid"),
         ("devices", [0, 0], "hydra.launcher.devices=['0', '0'] is invalid: list each device id once"),
         (
             "module",

@@ -14,7 +14,7 @@ When the launcher gets its `stop_signal` (SIGUSR2 unless configured otherwise: S
 job's stop file; the ranks read it at their next `should_stop()` and agree, through one
 small collective, so that the k-th call returns the same answer on every rank of the job
 (on every node). The job then counts as preempted: it runs again, in the same job dir, when
-the sweep resumes, and there `resumed()` is True.
+the sweep resumes, and there `resumed()` is True (when its ranks had run).
 
 This module imports no torch (Hydra imports it while discovering plugins); `should_stop()`
 imports `torch.distributed` the first time a multi-rank job asks. Outside the launcher
@@ -62,9 +62,13 @@ def should_stop() -> bool:
 
 
 def resumed() -> bool:
-    """Whether this job was preempted in an earlier run of the sweep and continues now.
+    """Whether this job's ranks ran in an earlier run of the sweep, were stopped before they
+    completed, and now continue in the same (recorded) job dir.
 
-    It runs in the same job dir as then, so whatever it saved there (a checkpoint) is there.
+    Whatever they saved there (a checkpoint) is there, if they saved it: rank 0 may have been
+    stopped first, so check that the file exists. A job stopped before any rank started (in
+    its rendezvous, in an `on_job_start` callback), or that now runs in another job dir
+    (`hydra.sweep.subdir` changed), is not resumed: it simply runs.
     """
     return os.environ.get(RESUMED_ENV) == "1"
 

@@ -27,6 +27,8 @@ class TorchrunLauncher(Launcher):
         self.hydra_context: Optional[HydraContext] = None
         # the sweep's progress and outcomes (`_launcher.report.SweepReport`), made at the first launch
         self.report: Any = None
+        # the sweep's stop notice (`_launcher.preempt.StopNotice`), installed at the first launch
+        self.notice: Any = None
 
     def setup(
         self,

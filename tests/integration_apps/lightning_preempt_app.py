@@ -92,7 +92,8 @@ def fit(cfg: DictConfig) -> int:
         enable_model_summary=False,
         callbacks=[StopOnPreemption(checkpoint)],
     )
-    trainer.fit(model, data, ckpt_path=checkpoint if preemption.resumed() else None)
+    resuming = preemption.resumed() and os.path.exists(checkpoint)
+    trainer.fit(model, data, ckpt_path=checkpoint if resuming else None)
     record = {"start_step": model.start_step, "final_step": trainer.global_step}
     Path(f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
     torch.distributed.destroy_process_group()

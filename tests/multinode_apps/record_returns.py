@@ -1,6 +1,8 @@
-"""A Hydra callback writing the JobReturn of every job to `<job output dir>/job_return.json`."""
+"""A Hydra callback writing the JobReturn of every job to `<job output dir>/job_return.json`
+(`job_return<RECORD_SUFFIX>.json`: nodes that share a sweep dir write one each)."""
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,5 +20,6 @@ class RecordReturns(Callback):
         else:
             error = job_return._return_value
             record["error"] = f"{type(error).__name__}: {error}"
-        out = Path(HydraConfig.get().runtime.output_dir) / "job_return.json"
+        name = f"job_return{os.environ.get('RECORD_SUFFIX', '')}.json"
+        out = Path(HydraConfig.get().runtime.output_dir) / name
         out.write_text(json.dumps(record))

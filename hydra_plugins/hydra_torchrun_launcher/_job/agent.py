@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import cloudpickle
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .._rank.forkserver import start_rank_forkserver
@@ -53,6 +54,8 @@ class AgentJob:
     # return value when ranks are real processes
     private_dir: Path
     console: RankConsole
+    # the run dirs of torch's logs already in the log dir (an earlier run in this sweep dir)
+    earlier_logs: "frozenset[Path]" = frozenset()
 
 
 def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optional[str] = None) -> Any:
@@ -107,13 +110,16 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
 
 
 def job_log_dir(plan: JobPlan) -> str:
-    """Where torch keeps the job's rank logs: `log_dir` (from the launch dir), else the job dir."""
+    """Where torch keeps the job's rank logs: `log_dir` (from the launch dir), else the job dir;
+    in a multi-node job, in a dir of the node's own (`node<k>`), so that nodes sharing a sweep
+    dir do not mix their trees."""
     conf = plan.settings.conf
-    return (
+    root = (
         os.path.join(plan.launch_dir, conf.log_dir)
         if conf.log_dir
         else str(plan.output_dir / "torchrun_logs")
     )
+    return os.path.join(root, f"node{plan.node_slot}") if plan.settings.max_nodes > 1 else root
 
 
 def _rank_exits_to_file(path: Path) -> None:
@@ -171,38 +177,45 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
             console=console,
             console_label=plan.console_label,
         )
+        log_dir = Path(job_log_dir(plan))
+        earlier = frozenset(log_dir.glob(f"{plan.rendezvous.run_id}_*")) if log_dir.is_dir() else frozenset()
         if conf.training_script is None and not conf.launch_prefix:
             args = [list(sys.path), cloudpickle.dumps(plan.payload)]
-            return AgentJob(plan, launch_config, run_rank, args, private_dir, console)
+            return AgentJob(plan, launch_config, run_rank, args, private_dir, console, earlier)
 
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
             _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload))))
             command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
         else:
-            command = _script_command(plan)
+            command = script_command(plan)
         spec_file = private_dir / "rank.json"
         stop_signal = stop_signal_of(conf)
         spec = {"command": [*conf.launch_prefix, *command], "ignore_signal": stop_signal and int(stop_signal)}
         _write_private(spec_file, json.dumps(spec).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
-        return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console)
+        return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console, earlier)
     except BaseException:
         console.close()
         raise
 
 
-def _script_command(plan: JobPlan) -> List[str]:
-    """The command of a rank in script mode, as torchrun builds it from the launch dir.
-
-    The rank runs in its job dir, so a script path is taken relative to the directory the
-    sweep was launched from (a bare command name of `no_python` is looked up on PATH).
-    """
+def script_path(plan: JobPlan) -> str:
+    """The training script as a rank runs it: the rank runs in its job dir, so a script path
+    is taken relative to the directory the sweep was launched from (a module name is not a
+    path; a bare command name of `no_python` is looked up on PATH)."""
     conf = plan.settings.conf
     assert conf.training_script is not None
     script = conf.training_script
     if not conf.module and (not conf.no_python or os.sep in script):
         script = os.path.join(plan.launch_dir, script)
+    return script
+
+
+def script_command(plan: JobPlan) -> List[str]:
+    """The command of a rank in script mode, as torchrun builds it from the launch dir."""
+    conf = plan.settings.conf
+    script = script_path(plan)
     if conf.no_python:
         return [script, *conf.training_script_args]
     if conf.run_path:
@@ -250,7 +263,7 @@ def _run_agent(job: AgentJob) -> Any:
             preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
             preempt.agent_ended()
-            _leave_together(job.plan)
+            returned = _leave_together(job, outputs)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
         failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
@@ -258,6 +271,9 @@ def _run_agent(job: AgentJob) -> Any:
         failure = preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
             f"the job was stopped by signal {signal.Signals(e.sigval).name}"
         )
+    except RendezvousError as e:
+        # a node that never came (or left): one line, not torch's traceback of its agent
+        failure = JobFailedError(_rendezvous_failed(job.plan, e))
     except JobDeadline:
         failure = JobFailedError(
             f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
@@ -270,17 +286,46 @@ def _run_agent(job: AgentJob) -> Any:
     if failure is None:
         preempted = preempt.outcome()
         if preempted is None:
-            return _node_return_value(job, outputs)
+            return returned
         failure = preempted
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
 
 
-def _leave_together(plan: JobPlan) -> None:
-    """A multi-node job's nodes let its rendezvous store go in order (`_job.node_exit`)."""
+def _rendezvous_failed(plan: JobPlan, error: Exception) -> str:
+    """Why the job's nodes did not meet, with what it waited for and how to wait longer."""
+    settings, rendezvous = plan.settings, plan.rendezvous
+    nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else settings.conf.nnodes
+    said = f": {error}" if str(error) else ""
+    return (
+        f"the job's nodes did not meet ({type(error).__name__}{said}): it waited for {nodes} nodes at "
+        f"{rendezvous.endpoint} (id {rendezvous.run_id}); run the same command on every node, or wait "
+        "longer: hydra.launcher.rdzv_conf={join_timeout:SECONDS}"
+    )
+
+
+def _leave_together(job: AgentJob, outputs: Dict[int, Any]) -> Any:
+    """Global rank 0's return value, on every node of the job: the nodes of a multi-node job
+    share it as they let its rendezvous store go, in order (`_job.node_exit`)."""
+    plan = job.plan
     settings = plan.settings
     nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else 0
-    leave_together(plan.rendezvous.backend, plan.rendezvous.endpoint, plan.rendezvous.run_id, nodes)
+    has_rank0 = 0 in outputs
+    own = _node_return_value(job, outputs)
+    shared = leave_together(
+        plan.rendezvous.backend,
+        plan.rendezvous.endpoint,
+        plan.rendezvous.run_id,
+        nodes,
+        cloudpickle.dumps(own) if has_rank0 else None,
+    )
+    if shared is None:
+        if nodes > 1 and not has_rank0:
+            log.warning(
+                f"job #{plan.idx}: global rank 0's return value did not reach this node; its own is kept"
+            )
+        return own
+    return own if has_rank0 else cloudpickle.loads(shared)
 
 
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
@@ -300,10 +345,13 @@ def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
 
 
 def _stderr_logs(job: AgentJob) -> List[Path]:
-    """Each local rank's stderr file of the job's last attempt (where tee/redirects kept one)."""
+    """Each local rank's stderr file of this job's last attempt (where tee/redirects kept one);
+    never one of an earlier run's that reused the sweep dir (same rendezvous id)."""
     log_dir = Path(job.launch_config.logs_specs.root_log_dir)  # type: ignore[union-attr]
+    earlier = job.earlier_logs
     attempts = sorted(
-        log_dir.glob(f"{job.launch_config.run_id}_*/attempt_*"), key=lambda p: int(p.name.split("_")[1])
+        (p for p in log_dir.glob(f"{job.launch_config.run_id}_*/attempt_*") if p.parent not in earlier),
+        key=lambda p: int(p.name.split("_")[1]),
     )
     if not attempts:
         return []

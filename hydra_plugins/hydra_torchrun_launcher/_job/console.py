@@ -113,7 +113,8 @@ class ConsoleLogsSpecs(DefaultLogsSpecs):
     def _prefix(self, env: Dict[str, str], local_rank: int) -> str:
         role = env.get("ROLE_NAME", "")
         if self._prefix_template:
-            return Template(self._prefix_template).safe_substitute(
+            # the job's label first: with jobs at once, every line still says its job
+            return self._label + Template(self._prefix_template).safe_substitute(
                 role_name=role, rank=env.get("RANK", ""), local_rank=local_rank
             )
         return f"[{self._label}{role}{local_rank}]:"

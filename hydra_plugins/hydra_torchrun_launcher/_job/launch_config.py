@@ -172,7 +172,7 @@ def build_launch_config(
         "duplicate_stderr_filters": conf.duplicate_stderr_filters,
         "virtual_local_rank": conf.virtual_local_rank,
         "shutdown_timeout": conf.shutdown_timeout,
-        "log_line_prefix_template": _prefix_template(conf),
+        "log_line_prefix_template": _labelled(_prefix_template(conf), console_label),
     }
     kwargs.update({name: value for name, value in optional.items() if name in have})
     if "numa_options" in have and conf.numa_binding is not None:
@@ -228,6 +228,15 @@ def _prefix_template(conf: Any) -> Optional[str]:
     if conf.log_line_prefix_template:
         return _PLACEHOLDER.sub(r"${\1}", conf.log_line_prefix_template)
     return os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+
+
+def _labelled(template: Optional[str], label: str) -> Optional[str]:
+    """torch's prefix template with the job's label in front, for where torch's own tee
+    prints the ranks' lines (duplicate filters, a logs_specs): with jobs at once, every line
+    still says its job. torch's own default prefix is `[${role_name}${local_rank}]:`."""
+    if not label:
+        return template
+    return label + (template or "[${role_name}${local_rank}]:")
 
 
 def _numa_options(binding: str) -> Optional[Any]:

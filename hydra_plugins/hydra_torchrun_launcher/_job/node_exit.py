@@ -13,6 +13,12 @@ after the agent returns (`keep_rendezvous_handlers`, installed through torch's p
 registry), and every node, once its agent has returned, counts itself out in the store;
 the node whose process hosts the store waits until every node has (at most
 `LEAVE_TIMEOUT_S`) and only then lets its store go, when the job process exits.
+
+On the way out the nodes also share global rank 0's return value: the node that ran rank 0
+puts it into the store, every other node takes it before it counts itself out, so every
+node's launcher hands its sweeper the same JobReturn, whichever node held rank 0 (with
+c10d, that changes from job to job). The static backend's store (node 0's, at
+`master_addr:master_port`) serves the same way.
 """
 
 import logging
@@ -47,34 +53,46 @@ def keep_rendezvous_handlers() -> None:
     registry.get_rendezvous_handler = get_rendezvous_handler
 
 
-def leave_together(backend: str, endpoint: str, run_id: str, nodes: int) -> None:
-    """Count this node out of the job's store; the node hosting it waits for all `nodes`."""
-    if backend != "c10d" or nodes <= 1 or not KEPT_HANDLERS:
-        return
+def leave_together(
+    backend: str, endpoint: str, run_id: str, nodes: int, rank0_value: Optional[bytes]
+) -> Optional[bytes]:
+    """Share global rank 0's value (pickled; given by the node that ran rank 0, None on the
+    others) and count this node out of the job's store; the node hosting it waits for all
+    `nodes`. Returns rank 0's value, pickled, on every node; None where it could not be had
+    (then the node keeps its own, and says so)."""
+    if backend not in ("c10d", "static") or nodes <= 1 or not KEPT_HANDLERS:
+        return rank0_value
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
     hosting = listens_on(port)
     key = f"hydra_torchrun/left/{run_id}"
+    value_key = f"hydra_torchrun/rank0_value/{run_id}"
+    shared = rank0_value
     try:
         store = TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S), wait_for_workers=False
         )
+        if rank0_value is not None:
+            store.set(value_key, rank0_value)
+        else:
+            shared = store.get(value_key)  # waits for it, at most LEAVE_TIMEOUT_S
         left = store.add(key, 1)
         deadline = time.monotonic() + LEAVE_TIMEOUT_S
         while hosting and left < nodes and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             left = store.add(key, 0)
     except RuntimeError as e:  # torch's DistError family: the store is gone already
-        if hosting:
+        if hosting or shared is None:
             log.warning(f"the rendezvous store of job {run_id} failed before every node had left it: {e}")
-        return
+        return shared
     if hosting and left < nodes:
         log.warning(
             f"{nodes - left} node(s) of job {run_id} had not left its rendezvous after "
             f"{LEAVE_TIMEOUT_S:g}s; its store closes now"
         )
+    return shared
 
 
 def listens_on(port: int) -> Optional[bool]:

@@ -25,7 +25,20 @@ from .._shared.stop_files import SEEN, STARTED, touch
 
 
 class JobPreempted(CompactHydraException, RuntimeError):
-    """The job ended because of a stop request: it runs again when the sweep resumes."""
+    """The job ended because of a stop request: it runs again when the sweep resumes.
+
+    `ranks_ran`: whether its ranks had started (and may have checkpointed); a job stopped
+    before (in its rendezvous, in `on_job_start`) is not resumed but simply runs. Rebuilt
+    from `args` when unpickled, so the flag survives the trip to the launcher.
+    """
+
+    def __init__(self, message: str, ranks_ran: bool = False) -> None:
+        super().__init__(message, ranks_ran)
+        self.message = message
+        self.ranks_ran = ranks_ran
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class StopTimeout(BaseException):
@@ -103,12 +116,13 @@ def outcome(interrupted_by: Optional[int] = None) -> Optional[JobPreempted]:
         return JobPreempted("the job was preempted before its ranks started")
     if _Notice.stop_file is not None and os.path.exists(_Notice.stop_file + SEEN):
         # on a node that got no signal too: its ranks agreed with the others'
-        return JobPreempted("the job stopped at a step boundary (preemption.should_stop())")
+        return JobPreempted("the job stopped at a step boundary (preemption.should_stop())", ranks_ran=True)
     return None
 
 
 def timed_out() -> JobPreempted:
     return JobPreempted(
         f"the job's ranks did not return within hydra.launcher.stop_timeout={_Notice.timeout_s:g}s "
-        "after the stop request; they were stopped"
+        "after the stop request; they were stopped",
+        ranks_ran=True,
     )

@@ -8,9 +8,11 @@ and torch's elastic agent runs its ranks (`_job.process`). Up to `parallel_jobs`
 processes run at once (`_launcher.pool`); the same code path runs one at a time.
 """
 
+import contextlib
 import copy
 import logging
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
@@ -29,16 +31,27 @@ from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
-from .._shared.signals import ignored_group_signals
+from .._shared.signals import ignored_group_signals, signals_named
 from .cluster import resolve_cluster
-from .node_agreement import agree_on_resumption
+from .lock import hold_sweep_lock, holder
+from .node_agreement import agree_on_resumption, waiting_for_nodes
 from .pool import SweepStopped, react_to_stop, run_jobs
-from .preempt import StopNotice, StoppedBeforeJobs, end_preempted
+from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
 from .preload import varying_variables
-from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport
+from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import dry_run_plan, write_rerun_script
-from .resume import fingerprint, log_resumption, read_record, resumption, save_return, source_digest
+from .resume import (
+    Record,
+    continues_in_place,
+    fingerprint,
+    log_resumption,
+    read_record,
+    resumption,
+    save_return,
+    task_digest,
+)
 from .settings import resolve_settings
+from .shared_dir import publish_decision, take_decision
 from .task import app_script, pickle_task
 
 log = logging.getLogger(__name__)
@@ -46,14 +59,18 @@ log = logging.getLogger(__name__)
 
 class SweepLauncher(Protocol):
     """What a launch needs of Hydra's launcher object (`TorchrunLauncher`): what Hydra's
-    `setup` gave it, and the sweep's report, kept there across a sweeper's batches. A
-    protocol, so that this module never imports the public module that imports it."""
+    `setup` gave it, and the sweep's report and stop notice, kept there across a sweeper's
+    batches. A protocol, so that this module never imports the public module that imports it."""
 
     config: Optional[DictConfig]
     hydra_context: Optional[HydraContext]
     task_function: Optional[TaskFunction]
     report: Any
+    notice: Any
 
+
+# how long a node that shares node 0's sweep dir waits for its decision (c10d's join_timeout)
+_NODE_WAIT_S = 600.0
 
 # after its job_timeout, how long a job process may take beyond its ranks' shutdown
 _STOP_MARGIN_S = 30.0
@@ -77,12 +94,22 @@ def launch(
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_key = str(sweep_dir.resolve())
+    dry_run = OmegaConf.select(launcher.config, "hydra.launcher.dry_run", throw_on_resolution_failure=False)
+    # from the first launch on, for the whole sweep: a notice while jobs are composed or
+    # between a sweeper's batches ends the sweep preempted, as one while jobs run does
+    signum = None if dry_run is True else _sweep_stop_signal(launcher.config)
+    notice = launcher.notice = sweep_notice(launcher.notice, signum, launcher.hydra_context.callbacks)
+    if notice.received and launcher.report is not None:
+        launcher.report.interrupted = True
+        launcher.report.write()
+        conf = launcher.config.hydra.launcher
+        _end_preempted(notice, "no job of the next batch had started", sweep_dir, conf)
 
     pickled_task, task_error = pickle_task(launcher.task_function)
     script = app_script(launcher.task_function)
     if script is not None and script.task_name is not None:
         task_error = None  # each rank finds the task by name in the script it runs
-    task_source = source_digest(launcher.task_function, pickled_task)
+    task = task_digest(launcher.task_function)
     # every job is composed and checked before the first rank of the sweep starts
     plans: List[JobPlan] = []
     configs: Dict[int, DictConfig] = {}
@@ -97,7 +124,7 @@ def launch(
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
-        plan.fingerprint = fingerprint(task_source, plan.payload.task_cfg)
+        plan.fingerprint = fingerprint(task, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
         plans.append(plan)
         configs[plan.idx] = config
         notes.add(note)
@@ -112,10 +139,16 @@ def launch(
     if plans[0].settings.conf.dry_run:
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
-    conf = plans[0].settings.conf
-    notice = StopNotice(stop_signal_of(conf))
-    with notice.listening():
-        return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+    return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+
+
+def _sweep_stop_signal(config: DictConfig) -> Optional[int]:
+    """The sweep's `stop_signal` before any job is composed; None when it is off or not one
+    signal (each job's check then refuses it, naming the job)."""
+    raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
+    named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
+    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
+    return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
 def _run_plans(
@@ -133,30 +166,48 @@ def _run_plans(
     conf = plans[0].settings.conf
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
+    # before the record is read: no other launcher of this node works in this sweep dir
+    slot = hold_sweep_lock(sweep_dir, plans[0].settings.max_nodes)
+    writes = slot == 0  # one node keeps the record of a sweep dir the nodes share
+    for plan in plans:
+        plan.node_slot = slot
     report = _report_of(launcher, sweep_dir, conf.resume is not False)
-    resumed = resumption(conf.resume, sweep_dir, plans, report.outcomes)
-    if first_launch and not resumed.recorded and report.outcomes:
-        log.info(
-            f"{shown_path(str(report.path))} records another sweep (other jobs, overrides, task or "
-            "config): every job runs, and the record starts afresh"
-        )
-        report.outcomes.clear()
-    if plans[0].settings.max_nodes > 1 and conf.resume is not False:
-        try:
-            with notice.interrupting():  # a node that never comes would keep the others waiting
+    report.writes = writes
+    multi_node = plans[0].settings.max_nodes > 1
+    if multi_node and first_launch:
+        log.info(waiting_for_nodes(plans[0]))
+    jobs = [plan.idx for plan in plans]
+    # a node that never comes would keep the others waiting: a stop ends the wait at once
+    waiting = notice.interrupting() if multi_node else contextlib.nullcontext()
+    try:
+        with waiting:
+            if writes:
+                resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
+                # only a node that has something to resume asks the others
+                asks = multi_node and conf.resume is not False and bool(resumed.recorded)
+                if multi_node:  # the nodes that share this sweep dir take node 0's word
+                    publish_decision(sweep_dir, holder(sweep_dir), jobs, resumed, asks)
+            else:
+                timeout_s = float(plans[0].rendezvous.configs.get("join_timeout", _NODE_WAIT_S))
+                resumed, asks = take_decision(sweep_dir, holder(sweep_dir), jobs, timeout_s)
+                report.recorded.jobs.update(resumed.recorded)
+            if asks:
                 done, resumed.preempted = agree_on_resumption(
                     plans[0], set(resumed.completed), resumed.preempted
                 )
-        except StoppedBeforeJobs as stopped:
-            agreeing = "no job had started (the nodes were agreeing on what to resume)"
-            if stopped.signum == notice.signum:
-                _end_preempted(notice, agreeing, sweep_dir, conf)
-            react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
-            raise SweepStopped(stopped.signum) from None
-        resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
+                resumed.completed = {num: ret for num, ret in resumed.completed.items() if num in done}
+    except StoppedBeforeJobs as stopped:
+        agreeing = "no job had started (the nodes were agreeing on what to resume)"
+        if stopped.signum == notice.signum:
+            _end_preempted(notice, agreeing, sweep_dir, conf)
+        react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
+        raise SweepStopped(stopped.signum) from None
     log_resumption(sweep_dir, resumed)
     for plan in plans:
-        plan.resumed = plan.idx in resumed.preempted
+        # where its ranks ran before: a checkpoint may be there
+        plan.resumed = plan.idx in resumed.preempted and continues_in_place(
+            sweep_dir, resumed.recorded[plan.idx], plan.output_dir
+        )
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     server = checked_warm_server(preload, varying_variables(plans)) if to_run else None
@@ -167,7 +218,7 @@ def _run_plans(
         return encode_request(
             JobRequest(
                 plan=plan,
-                config=configs[plan.idx],
+                config=configs[plan.idx] if writes else _without_bookkeeping(configs[plan.idx]),
                 hydra_context=hydra_context,
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
@@ -181,19 +232,26 @@ def _run_plans(
 
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""
-        log.info(f"\t#{plan.idx} : {' '.join(filter_overrides(plan.overrides))}{on}")
-        write_rerun_script(plan, configs[plan.idx], job_devices)
+        log.info(f"\t{job_title(plan.idx, plan.overrides)}{on}")
+        if writes:
+            write_rerun_script(plan, configs[plan.idx], job_devices)
         report.started(plan.idx)
 
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
         status = _status_of(job_return, stopped)
-        if status == COMPLETED:
+        if status == COMPLETED and writes:
             save_return(plan.output_dir, job_return)
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
-        report.ended(plan.idx, job_return, status)
+        # a checkpoint may be in the job dir when its ranks ran now, or in the run resumed
+        ranks_ran = plan.resumed or _ranks_ran(job_return)
+        report.ended(plan.idx, job_return, status, ranks_ran)
 
-    log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(sweep_dir))}")
+    shown_dir = shown_path(str(sweep_dir))
+    if to_run:
+        log.info(f"Launching {len(to_run)} jobs with torchrun into {shown_dir}")
+    else:
+        log.info(f"Nothing to launch: all {len(plans)} jobs come from the record in {shown_dir}")
     try:
         ran: Dict[int, JobReturn] = {}
         if server is not None and not notice.received:
@@ -215,6 +273,8 @@ def _run_plans(
     if len(plans) > 1 or notice.received:
         report.log_table()
     if notice.received:
+        report.interrupted = True
+        report.write()
         _end_preempted(notice, report.stop_summary(), sweep_dir, conf)
     returns = {**resumed.completed, **ran}
     return [returns[plan.idx] for plan in plans]
@@ -224,6 +284,21 @@ def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any)
     """The sweep ends preempted (`_launcher.preempt.end_preempted`)."""
     assert notice.signum is not None
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
+
+
+def _without_bookkeeping(config: DictConfig) -> DictConfig:
+    """The job's config for a node that shares its sweep dir with node 0, which writes the
+    job's `.hydra/` files: Hydra's run_job writes none here (`hydra.output_subdir: null`)."""
+    config = copy.deepcopy(config)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
+    return config
+
+
+def _ranks_ran(job_return: JobReturn) -> bool:
+    """Whether the job's ranks ran: any end but a preemption before they started."""
+    value = job_return._return_value
+    return not isinstance(value, JobPreempted) or value.ranks_ran
 
 
 def _status_of(job_return: JobReturn, stopped: bool) -> str:
@@ -239,7 +314,8 @@ def _report_of(launcher: "SweepLauncher", sweep_dir: Path, resuming: bool) -> Sw
     """The launcher's report: one per sweep dir, so a sweeper's batches add up in one file;
     when it may resume, it starts from the record the sweep dir holds."""
     if launcher.report is None or launcher.report.path.parent != sweep_dir:
-        launcher.report = SweepReport(sweep_dir, read_record(sweep_dir) if resuming else None)
+        record = read_record(sweep_dir) if resuming else Record()
+        launcher.report = SweepReport(sweep_dir, record)
     return launcher.report
 
 

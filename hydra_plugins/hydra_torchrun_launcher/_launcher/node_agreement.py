@@ -16,15 +16,37 @@ import time
 from typing import Any, Dict, List, Set
 
 from .._job.node_exit import DEFAULT_PORT, listens_on
+from .._shared.errors import LauncherConfigError
 
 AGREE_TIMEOUT_S = 300.0
 _POLL_S = 0.02
 
 
+def waiting_for_nodes(plan: Any) -> str:
+    """What a multi-node sweep waits for, said at once: a node that never comes is seen."""
+    settings, rendezvous = plan.settings, plan.rendezvous
+    nodes = str(settings.max_nodes) if settings.min_nodes == settings.max_nodes else settings.conf.nnodes
+    return (
+        f"Multi-node sweep: every job waits for {nodes} nodes at {rendezvous.endpoint} "
+        f"({rendezvous.backend} rendezvous, id {rendezvous.run_id.rsplit('_', 1)[0]}_<job>); "
+        "run the same command on every node"
+    )
+
+
 def agree_on_resumption(plan: Any, completed: Set[int], preempted: Set[int]) -> "tuple[Set[int], Set[int]]":
     """(completed on every node, preempted on any node), from each node's `completed` and
     `preempted`; `plan` is the launch's first job plan (its settings and rendezvous)."""
-    views = _exchange(plan, {"completed": sorted(completed), "preempted": sorted(preempted)})
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    try:
+        views = _exchange(plan, {"completed": sorted(completed), "preempted": sorted(preempted)})
+    except RendezvousError as e:
+        rendezvous, settings = plan.rendezvous, plan.settings
+        raise LauncherConfigError(
+            f"the nodes did not meet to agree on what to resume ({type(e).__name__}): waited for "
+            f"{settings.max_nodes} nodes at {rendezvous.endpoint} (id {rendezvous.run_id}_resume); run "
+            "the same command on every node, or wait longer: hydra.launcher.rdzv_conf={join_timeout:SECONDS}"
+        ) from None
     agreed_completed = set.intersection(*(set(view["completed"]) for view in views))
     agreed_preempted = set.union(*(set(view["preempted"]) for view in views)) - agreed_completed
     return agreed_completed, agreed_preempted

@@ -1,21 +1,27 @@
 """The launcher's side of a preemption: the stop signal, the end of the sweep, the requeue.
 
-While a launch runs, the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
+From the sweep's first launch to its end (Hydra's `on_multirun_end`, or the process's
+exit), the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
 `--signal=USR2@120` sends it to every srun task, i.e. to the launcher on every node) is a
 notice, not a kill: it is passed on to every running job's process (`_job.preempt`), whose
-ranks stop at a step boundary; no further job starts. When the running jobs have ended the
+ranks stop at a step boundary; no further job starts. One that comes while jobs are
+composed, or between a sweeper's batches, ends the sweep the same way at the next point
+where the launcher looks. When the running jobs have ended the
 launcher records the sweep, requeues the SLURM batch job when it should, and ends with one
 line saying how the sweep resumes, and the signal's exit status (128 + its number).
 A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
 """
 
+import itertools
 import shutil
 import signal
 import subprocess
 import sys
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+
+from hydra.experimental.callback import Callback
 
 from .._shared.signals import group_signals, handled_by
 
@@ -59,12 +65,53 @@ class StopNotice:
         with handled_by(self._interrupt, group_signals()):
             yield
 
-    @contextmanager
-    def listening(self) -> Iterator["StopNotice"]:
-        """Our handler for the stop signal, the launcher's own restored afterwards (main thread
-        only; a launcher that ignores the signal keeps ignoring it, and so do its jobs)."""
-        with handled_by(self._handle, [] if self.signum is None else [self.signum]):
-            yield self
+    def install(self) -> None:
+        """Our handler for the stop signal until `release` (main thread only; a launcher
+        that ignores the signal keeps ignoring it, and so do its jobs)."""
+        self._listening = handled_by(self._handle, [] if self.signum is None else [self.signum])
+        self._listening.__enter__()
+
+    def release(self) -> None:
+        """The launcher's own handler of the stop signal back."""
+        listening, self._listening = getattr(self, "_listening", None), None
+        if listening is not None:
+            listening.__exit__(None, None, None)
+
+
+# the notices installed, by the token their release callback holds
+_INSTALLED: Dict[int, StopNotice] = {}
+_TOKENS = itertools.count()
+
+
+def sweep_notice(existing: Optional[StopNotice], signum: Optional[int], callbacks: Any) -> StopNotice:
+    """The sweep's stop notice: `existing` (the launcher's, from an earlier batch), else a new
+    one, installed now and kept across a sweeper's batches. `callbacks`: Hydra's callbacks
+    of the sweep (`HydraContext.callbacks`); the notice is released at their
+    `on_multirun_end`, so the app has its own handler back after the sweep (where Hydra's
+    list of callbacks is not there, at the process's exit)."""
+    if existing is not None:
+        return existing
+    notice = StopNotice(signum)
+    notice.install()
+    token = next(_TOKENS)
+    _INSTALLED[token] = notice
+    registered = getattr(callbacks, "callbacks", None)
+    if isinstance(registered, list):
+        registered.append(ReleaseAtSweepEnd(token))
+    return notice
+
+
+class ReleaseAtSweepEnd(Callback):
+    """Hydra's callback that ends a sweep's stop notice. It travels with the sweep's callbacks
+    to every job's process, which has no notice: there it does nothing."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        notice = _INSTALLED.pop(self.token, None)
+        if notice is not None:
+            notice.release()
 
 
 def end_preempted(

@@ -3,16 +3,18 @@
 As each job ends, the launcher logs one line (job k of N, its overrides, status, duration,
 rank 0's return value or the failure), so a failure is seen when it happens. When the
 launch ends (all jobs done, or stopped), a table of its jobs follows, and every job's
-outcome is kept in `<sweep dir>/sweep_summary.json`, rewritten as each job ends, for
-scripts to read (sweepers that launch in batches add to it).
+outcome is kept in `<sweep dir>/sweep_summary.json`, rewritten (whole, durably) as each
+job ends, for scripts to read: strict JSON, the jobs this run launched (sweepers that launch
+in batches add to it), never a row of an earlier run's other sweep.
 """
 
+import dataclasses
 import json
 import logging
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -20,6 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
 from .._rank.error import failure_summary
 from .._shared.paths import shown_path
+from .durable import replace_whole
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +47,50 @@ class JobOutcome:
     job_dir: str
     # what the job computes (`_launcher.resume.fingerprint`): a resumed sweep reruns a job whose differs
     fingerprint: str = ""
+    # the job dir relative to the sweep dir: a moved sweep dir still finds its jobs
+    subdir: str = ""
+    # whether the job's ranks have run in its job dir (a preempted job whose ranks never
+    # started has no checkpoint to resume from: it simply runs again)
+    ranks_ran: bool = False
+
+
+@dataclass
+class Record:
+    """The sweep dir's record of an earlier run."""
+
+    jobs: Dict[int, JobOutcome] = field(default_factory=dict)
+    # the earlier run was stopped between a sweeper's batches
+    interrupted: bool = False
+
+    def finished(self) -> bool:
+        """Whether the earlier run reached its end: every job completed or failed."""
+        return not self.interrupted and all(job.status in (COMPLETED, FAILED) for job in self.jobs.values())
+
+
+def job_title(num: int, overrides: Sequence[str]) -> str:
+    """ "#3 : lr=0.1 seed=2", or "#3" for a job without overrides."""
+    shown = " ".join(filter_overrides(list(overrides)))
+    return f"#{num} : {shown}" if shown else f"#{num}"
 
 
 class SweepReport:
     """The outcomes of one launcher's jobs: progress lines, the table, the summary file.
 
-    One per launcher, so the batches of a sweeper that launches several add up in the file;
-    a new sweep in the same dir starts the file afresh, unless it resumes the sweep the
-    file records (`recorded`: its jobs, kept until this sweep runs them again).
+    One per launcher, so the batches of a sweeper that launches several add up in the file.
+    The file holds the jobs this run launched (`outcomes`); the record of an earlier run
+    that this one resumes (`recorded`) is kept aside, and a recorded job's outcome enters
+    the file only when a batch of this run launches that job.
     """
 
-    def __init__(self, sweep_dir: Path, recorded: Optional[Dict[int, JobOutcome]] = None) -> None:
+    def __init__(self, sweep_dir: Path, recorded: Optional["Record"] = None) -> None:
+        self.sweep_dir = sweep_dir
         self.path = sweep_dir / SUMMARY_FILE
-        self.outcomes: Dict[int, JobOutcome] = dict(recorded or {})
+        self.recorded = recorded or Record()
+        self.outcomes: Dict[int, JobOutcome] = {}
+        # the run was stopped between a sweeper's batches: it did not reach its end
+        self.interrupted = False
+        # this launcher keeps the record (node 0 of the nodes that share the sweep dir)
+        self.writes = True
         self._started: Dict[int, float] = {}
         self._batch: List[int] = []
 
@@ -67,8 +101,13 @@ class SweepReport:
         resume)."""
         self._batch = [job.idx for job in jobs]
         for job in jobs:
-            if job.idx not in done and job.idx not in preempted:
-                self.outcomes[job.idx] = JobOutcome(
+            subdir = os.path.relpath(job.output_dir, self.sweep_dir)
+            if job.idx in done or job.idx in preempted:
+                # as recorded, where this sweep dir is now
+                recorded = self.recorded.jobs[job.idx]
+                outcome = dataclasses.replace(recorded, job_dir=str(job.output_dir), subdir=subdir)
+            else:
+                outcome = JobOutcome(
                     job.idx,
                     list(job.overrides),
                     NOT_STARTED,
@@ -77,11 +116,13 @@ class SweepReport:
                     None,
                     str(job.output_dir),
                     job.fingerprint,
+                    subdir,
                 )
+            self.outcomes[job.idx] = outcome
         for num in done:
             outcome = self.outcomes[num]
             log.info(
-                f"\t#{num} : {_overrides(outcome)} : COMPLETED in an earlier run, "
+                f"\t{job_title(num, outcome.overrides)} : COMPLETED in an earlier run, "
                 f"returned {_short(outcome.return_value)}"
             )
         self.write()
@@ -89,12 +130,14 @@ class SweepReport:
     def started(self, num: int) -> None:
         self._started[num] = time.monotonic()
 
-    def ended(self, num: int, job_return: JobReturn, status: str) -> None:
-        """Record the job's outcome (`status`: one of this module's), log its line and
+    def ended(self, num: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
+        """Record the job's outcome (`status`: one of this module's; `ranks_ran`: its ranks
+        have run in its job dir, now or in the run this one resumes), log its line and
         rewrite the summary file."""
         outcome = self.outcomes[num]
         outcome.duration_s = round(time.monotonic() - self._started[num], 3)
         outcome.status = status
+        outcome.ranks_ran = ranks_ran
         if job_return.status == JobStatus.COMPLETED:
             outcome.return_value = _json_or_repr(job_return._return_value)
             outcome.error = None
@@ -104,7 +147,7 @@ class SweepReport:
         self.write()
         ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
         line = (
-            f"job {ended} of {len(self._batch)} ended: #{num} : {_overrides(outcome)} : "
+            f"job {ended} of {len(self._batch)} ended: {job_title(num, outcome.overrides)} : "
             f"{outcome.status} in {outcome.duration_s:.2f}s"
         )
         if outcome.status == COMPLETED:
@@ -114,11 +157,15 @@ class SweepReport:
             log.error("\n\t".join([f"{line}: {first}", *rest]))
 
     def write(self) -> None:
-        """The summary file, replaced whole: a reader never sees half of it."""
+        """The summary file, replaced whole and durably: a reader never sees half of it."""
+        if not self.writes:
+            return
         jobs = [asdict(self.outcomes[num]) for num in sorted(self.outcomes)]
-        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        partial.write_text(json.dumps({"jobs": jobs}, indent=1, default=repr) + "\n")
-        os.replace(partial, self.path)
+        record: Dict[str, Any] = {"jobs": jobs}
+        if self.interrupted:
+            record["interrupted"] = True
+        text = json.dumps(record, indent=1, default=repr, allow_nan=False) + "\n"
+        replace_whole(self.path, text.encode())
 
     def table(self) -> str:
         """This launch's jobs, a row each: number, status, time, overrides, result, job dir."""
@@ -179,9 +226,20 @@ def _overrides(outcome: JobOutcome) -> str:
     return " ".join(filter_overrides(outcome.overrides))
 
 
+def strict_json(text: str) -> Any:
+    """`text` parsed as strict JSON: NaN and Infinity are not JSON, and are refused."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def _json_or_repr(value: Any) -> Any:
+    """`value` when strict JSON holds it; else its repr (a NaN or infinite float: "nan", "inf":
+    JSON has no such number, and a file with NaN in it is not JSON)."""
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
         return value
     except (TypeError, ValueError):
         return repr(value)

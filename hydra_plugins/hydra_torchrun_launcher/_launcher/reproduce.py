@@ -1,25 +1,30 @@
 """A job by hand: its equivalent `torchrun` command, and a script that reruns it.
 
 Every job dir gets `rerun.sh`: `bash <job dir>/rerun.sh` runs that job again outside its
-sweep, as a sweep of this one job through this launcher (the app's own command, the
-sweep's Hydra overrides, the job's overrides, its devices), into a dir of its own below
-the job dir; extra arguments are more overrides. Its header shows the same job as a plain
-`torchrun` command line with the environment the job adds, which is also what a dry run
-prints. Values reach the script only through `shlex.quote`: nothing from a config is ever
-run as shell code.
+sweep, as a sweep of this one job through this launcher (the app's own command and its
+`--config-*` options, the sweep's Hydra overrides, the job's overrides, its devices), into
+a dir of its own below the job dir; extra arguments are more overrides. Its header shows
+the same job as a plain `torchrun` command line with the environment the job adds, which is
+also what a dry run prints, and names the settings such a line cannot express.
+
+Nothing from a config is ever run as shell code: values reach a command only through
+`shlex.quote`, and every comment line is made one line (a newline in an override would end
+the comment and start a command), whatever the value holds. Paths go to Hydra's override
+parser quoted for its grammar when they are not plain ASCII words.
 """
 
+import argparse
 import functools
 import os
 import re
 import shlex
 import stat
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._job.agent import job_log_dir
+from .._job.agent import job_log_dir, script_command, script_path
 from .._shared.plan import JobPlan
 
 RERUN_SCRIPT = "rerun.sh"
@@ -28,7 +33,38 @@ _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 _SWEEP_OVERRIDES = ("hydra.sweep.", "hydra.mode", "hydra.job.num", "hydra.job.id")
 # ...and, for the plain torchrun line (Hydra's run mode in every rank), the launcher's too
 _LAUNCHER_OVERRIDES = ("hydra/launcher", "hydra.launcher.", "hydra/sweeper", "hydra.sweeper.")
-_PLAIN_HYDRA_VALUE = re.compile(r"[\w/.:~+@%-]+")
+# ...and the rerun, a sweep of its own in a new dir, has no record to resume
+_RERUN_DROPS = ("hydra.launcher.resume",)
+# what Hydra's override grammar reads unquoted (ASCII only: `józef` or `~` must be quoted)
+_PLAIN_HYDRA_VALUE = re.compile(r"[A-Za-z0-9_/.:+@%-]+")
+# characters that would end a comment line of a shell script, or hide what follows
+_PER_RANK = re.compile(r"\{(local_)?rank\}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u2028\u2029]")
+
+
+def comment(text: str) -> str:
+    """`text` as one line of a shell comment: control characters (a newline above all, which
+    would end the comment and make the rest a command) are shown escaped (`\\n`)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def config_options(argv: Optional[List[str]] = None) -> List[str]:
+    """The app's `--config-path`, `--config-name` and `--config-dir` as it was started with
+    them (`argv`: `sys.argv`), so a rerun composes the same config; a relative
+    `--config-dir` is made absolute (the rerun may start elsewhere)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--config-path", "-cp")
+    parser.add_argument("--config-name", "-cn")
+    parser.add_argument("--config-dir", "-cd")
+    known, _ = parser.parse_known_args((sys.argv if argv is None else argv)[1:])
+    options = []
+    if known.config_path is not None:
+        options.append(f"--config-path={known.config_path}")
+    if known.config_name is not None:
+        options.append(f"--config-name={known.config_name}")
+    if known.config_dir is not None:
+        options.append(f"--config-dir={os.path.abspath(known.config_dir)}")
+    return options
 
 
 def app_command() -> List[str]:
@@ -49,8 +85,9 @@ def job_environment(plan: JobPlan, devices: Optional[List[str]]) -> Dict[str, st
     return env
 
 
-def torchrun_command(plan: JobPlan, config: DictConfig) -> List[str]:
-    """The job as one `torchrun` command line (the flags this torch's torchrun knows)."""
+def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List[str]]:
+    """The job as one `torchrun` command line (the flags this torch's torchrun knows), and
+    the job's settings that the line cannot express (named, so nobody takes it for the job)."""
     conf = plan.settings.conf
     rdzv = plan.rendezvous
     rdzv_conf = {k: v for k, v in rdzv.configs.items() if k != "rank"}
@@ -73,47 +110,77 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> List[str]:
         ("--local-addr", conf.local_addr),
         ("--logs-specs", conf.logs_specs),
         ("--numa-binding", conf.numa_binding),
+        ("--shutdown-timeout", conf.shutdown_timeout),
+        ("--signals-to-handle", conf.signals_to_handle),
+        ("--virtual-local-rank", True if conf.virtual_local_rank else None),
+        ("--duplicate-stdout-filters", ",".join(conf.duplicate_stdout_filters or []) or None),
+        ("--duplicate-stderr-filters", ",".join(conf.duplicate_stderr_filters or []) or None),
     ]
     known = _torchrun_flags()
-    command = ["torchrun"] + [
-        f"{flag}={value}" for flag, value in flags if value is not None and (known is None or flag in known)
-    ]
+    command = ["torchrun"]
+    missing = []
+    for flag, value in flags:
+        if value is None:
+            continue
+        if known is not None and flag not in known:
+            missing.append(f"{flag} (this torch's torchrun has no such option)")
+        else:
+            command.append(flag if value is True else f"{flag}={value}")
+    per_rank = [a for a in [*conf.launch_prefix, *conf.training_script_args] if _PER_RANK.search(a)]
+    if per_rank:
+        missing.append(f"{{rank}}/{{local_rank}} in {' '.join(per_rank)} (replaced per rank by the launcher)")
     if conf.training_script is not None:
-        for flag, on in (
-            ("--module", conf.module),
-            ("--no-python", conf.no_python),
-            ("--run-path", conf.run_path),
-        ):
-            if on:
-                command.append(flag)
-        return command + [conf.training_script, *conf.training_script_args]
+        if conf.launch_prefix:
+            return command + ["--no-python", *conf.launch_prefix, *script_command(plan)], missing
+        options = (("--module", conf.module), ("--no-python", conf.no_python), ("--run-path", conf.run_path))
+        flags = [flag for flag, on in options if on]
+        return command + flags + [script_path(plan), *conf.training_script_args], missing
     app = app_command()
-    script = ["--module", app[2]] if app[1] == "-m" else [app[1]]
     overrides = _without(_hydra_overrides(config), _LAUNCHER_OVERRIDES)
-    # Hydra's run mode in every rank, in the job's dir, with the job's number
-    run = [f"hydra.run.dir={_hydra_value(str(plan.output_dir))}", f"hydra.job.num={plan.idx}"]
-    return command + script + overrides + list(plan.overrides) + run
+    # Hydra's run mode in every rank (whatever hydra.mode the config sets), in the job's
+    # dir, with the job's number
+    run_dir = _hydra_value(str(plan.output_dir))
+    run = [f"hydra.run.dir={run_dir}", f"hydra.job.num={plan.idx}", "hydra.mode=RUN"]
+    app_args = [*config_options(), *overrides, *plan.overrides, *run]
+    if conf.launch_prefix:
+        return command + ["--no-python", *conf.launch_prefix, *app, *app_args], missing
+    script = ["--module", app[2]] if app[1] == "-m" else [app[1]]
+    return command + script + app_args, missing
 
 
 def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:
     """`rerun.sh` of a job: a one-job sweep of it, with its plain torchrun form in the header."""
-    overrides = _hydra_overrides(config)
+    overrides = _without(_hydra_overrides(config), _RERUN_DROPS)
     if OmegaConf.select(config, "hydra.sweeper._target_") != _BASIC_SWEEPER:
         # one job, whatever the sweep's sweeper would have made of these overrides
         overrides = _without(overrides, ("hydra/sweeper", "hydra.sweeper.")) + ["hydra/sweeper=basic"]
     if devices is not None:
         overrides.append(f"hydra.launcher.devices=[{','.join(devices)}]")
     rerun_dir = _hydra_value(os.path.join(str(plan.output_dir), "rerun_"), "${now:%Y-%m-%d_%H-%M-%S}")
-    command = [*app_command(), "--multirun", *overrides, *plan.overrides, f"hydra.sweep.dir={rerun_dir}"]
+    command = [
+        *app_command(),
+        *config_options(),
+        "--multirun",
+        *overrides,
+        *plan.overrides,
+        f"hydra.sweep.dir={rerun_dir}",
+        # a new dir: there is no record to resume, whatever the sweep's resume said
+        "hydra.launcher.resume=false",
+    ]
+    line, missing = plain_torchrun_line(plan, config, devices)
+    header = [
+        f"Job #{plan.idx} of the sweep in {config.hydra.sweep.dir}: {_listed(plan.overrides)}",
+        "Reruns it outside that sweep, as a sweep of this one job through the torchrun launcher,",
+        "into rerun_<date>_<time>/ beside this script; arguments are more overrides:",
+        f"    bash {shlex.quote(os.path.join(str(plan.output_dir), RERUN_SCRIPT))} [override ...]",
+        "",
+        "The same job under plain torchrun (every rank runs the app in Hydra's run mode):",
+        f"    {line}",
+        *([f"    (it cannot express: {'; '.join(missing)})"] if missing else []),
+    ]
     lines = [
         "#!/usr/bin/env bash",
-        f"# Job #{plan.idx} of the sweep in {config.hydra.sweep.dir}: {_listed(plan.overrides)}",
-        "# Reruns it outside that sweep, as a sweep of this one job through the torchrun launcher,",
-        "# into rerun_<date>_<time>/ beside this script; arguments are more overrides:",
-        f"#     bash {shlex.quote(os.path.join(str(plan.output_dir), RERUN_SCRIPT))} [override ...]",
-        "#",
-        "# The same job under plain torchrun (every rank runs the app in Hydra's run mode):",
-        f"#     {plain_torchrun_line(plan, config, devices)}",
+        *(f"# {comment(text)}".rstrip() for text in header),
         "set -euo pipefail",
         f"cd {shlex.quote(plan.launch_dir)}",
         f'exec {shlex.join(command)} "$@"',
@@ -122,10 +189,23 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
     return "\n".join(lines)
 
 
-def plain_torchrun_line(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:
-    """The job as a shell line of plain torchrun, the environment the job adds in front."""
-    env = [f"{k}={v}" for k, v in job_environment(plan, devices).items()]
-    return shlex.join((["env", *env] if env else []) + torchrun_command(plan, config))
+def plain_torchrun_line(
+    plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
+) -> Tuple[str, List[str]]:
+    """The job as a shell line of plain torchrun, the environment the job adds in front (and,
+    for a training script, the job dir it runs in); and what the line cannot express."""
+    conf = plan.settings.conf
+    env = job_environment(plan, devices)
+    cd = ""
+    if conf.training_script is not None:
+        job_dir = shlex.quote(str(plan.output_dir))
+        cd = f"mkdir -p {job_dir} && cd {job_dir} && "
+        if conf.module:
+            path = os.environ.get("PYTHONPATH")
+            env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
+    command, missing = torchrun_command(plan, config)
+    shown = [f"{k}={v}" for k, v in env.items()]
+    return cd + shlex.join((["env", *shown] if shown else []) + command), missing
 
 
 def write_rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> None:
@@ -155,10 +235,16 @@ def _listed(overrides: List[str]) -> str:
 
 def _hydra_value(value: str, interpolation: str = "") -> str:
     """`value` as Hydra's override grammar reads it back (quoted when it must be), then
-    `interpolation` (`${now:...}`), which Hydra resolves in quoted and plain values alike."""
+    `interpolation` (`${now:...}`), which Hydra resolves in quoted and plain values alike.
+
+    In a quoted value Hydra takes backslashes literally except those before a quote (and at
+    the end), which escape; so those are doubled, and each quote escaped."""
     if _PLAIN_HYDRA_VALUE.fullmatch(value):
         return value + interpolation
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + interpolation + "'"
+    quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    if not interpolation:
+        quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)
+    return "'" + quoted + interpolation + "'"
 
 
 @functools.cache
@@ -193,12 +279,14 @@ def dry_run_plan(
             job_devices, shown = None, f"{plan.nproc} of {','.join(devices)}, shared out as jobs start"
         runs = f"script {conf.training_script}" if conf.training_script is not None else "task function"
         port = " (a free port when the job starts)" if rdzv.endpoint.endswith(":0") else ""
+        line, missing = plain_torchrun_line(plan, config, job_devices)
         lines += [
             f"\t#{plan.idx} : {_listed(plan.overrides)}",
             f"\t\tjob dir:    {plan.output_dir}",
             f"\t\tranks:      {plan.nproc} per node x {conf.nnodes} node(s), {conf.start_method}, {runs}",
             f"\t\tdevices:    {shown}",
             f"\t\trendezvous: {rdzv.backend} at {rdzv.endpoint}{port}, id {rdzv.run_id}",
-            f"\t\ttorchrun:   {plain_torchrun_line(plan, config, job_devices)}",
+            f"\t\ttorchrun:   {line}",
+            *([f"\t\t            (it cannot express: {'; '.join(missing)})"] if missing else []),
         ]
     return "\n".join(lines)

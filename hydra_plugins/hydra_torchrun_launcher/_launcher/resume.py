@@ -2,13 +2,22 @@
 
 The record is the sweep dir's `sweep_summary.json` (`_launcher.report`) plus, for every completed
 job, its pickled `JobReturn` in `<job dir>/.hydra/job_return.pkl` (beside Hydra's own
-account of the job; owner-only: a pickle is code, and only this user may have written it).
-When the same sweep runs again in the same sweep dir (a requeued SLURM job, a user running
-the command again), a job the record holds with the same overrides and fingerprint is:
+account of the job). A pickle is code: it is loaded only when this user owns it and its
+dir and nobody else can write it (it is written 0600 whatever the umask); a group-writable
+dir (umask 002) is fine: what another user puts there is theirs, and refused.
+
+`resume: auto` resumes an UNFINISHED sweep: the record is of the same sweep (every job of
+this launch recorded with the same overrides and fingerprint) and says that the earlier run
+did not reach its end (a job preempted, stopped or never started; the run stopped between
+a sweeper's batches), or SLURM restarted the batch job. Then a recorded job is:
 - COMPLETED: not run; its JobReturn (return value included) comes from the record;
-- PREEMPTED: run in its same job dir, with `preemption.resumed()` True;
+- PREEMPTED: run in its same job dir, with `preemption.resumed()` True when its ranks ran
+  there before;
 - anything else (FAILED, STOPPED, NOT_STARTED): run.
-Hydra's default sweep dirs carry a timestamp, so a new run never resumes by accident.
+A FINISHED record (every job completed or failed) is a new run: every job runs again, with
+one line. `true` resumes a record of the same sweep, finished or not (an error if there is
+none); `false` runs every job. What cannot be trusted (a record that cannot be read, a
+truncated or foreign pickle) runs again, with one line.
 """
 
 import hashlib
@@ -16,10 +25,13 @@ import inspect
 import json
 import logging
 import os
+import pickle
+import re
 import stat
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Set
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 import cloudpickle
 from hydra.core.utils import JobReturn
@@ -27,11 +39,33 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
-from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome
+from .durable import replace_whole
+from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, Record, strict_json
 
 log = logging.getLogger(__name__)
 
 RETURN_FILE = Path(".hydra") / "job_return.pkl"
+# launcher keys that say how and where the sweep runs, not what a job computes
+_NOT_FINGERPRINTED = (
+    "resume",
+    "dry_run",
+    "requeue",
+    "stop_signal",
+    "stop_timeout",
+    "parallel_jobs",
+    "devices",
+    "preload",
+    "job_timeout",
+    "cluster",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "master_addr",
+    "master_port",
+    "local_addr",
+    "node_rank",
+)
+# `${oc.env:NAME}` (and Hydra's older `${env:NAME}`) in a config: the values it reads count
+_ENV_READ = re.compile(r"\$\{(?:oc\.env|env):\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
 
 
 @dataclass
@@ -46,60 +80,103 @@ class Resumption:
     preempted: Set[int] = field(default_factory=set)
 
 
-def read_record(sweep_dir: Path) -> Dict[int, JobOutcome]:
-    """The jobs of the sweep dir's record; empty when there is none."""
+def read_record(sweep_dir: Path) -> Record:
+    """The sweep dir's record; empty when there is none, or (with one line) when it cannot
+    be read: then every job runs."""
     path = sweep_dir / SUMMARY_FILE
     if not path.is_file():
-        return {}
+        return Record()
     try:
-        rows = json.loads(path.read_text())["jobs"]
-        return {int(row["num"]): JobOutcome(**row) for row in rows}
-    except (ValueError, KeyError, TypeError) as e:
-        raise LauncherConfigError(
-            f"{shown_path(str(path))} is not a sweep record of this launcher ({type(e).__name__}: {e}); "
-            "move it away, or set hydra.launcher.resume=false to run every job again"
-        ) from e
+        data = strict_json(path.read_text())
+        jobs = {int(row["num"]): JobOutcome(**row) for row in data["jobs"]}
+        return Record(jobs, bool(data.get("interrupted", False)))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        log.warning(
+            f"{shown_path(str(path))} cannot be read as this launcher's record ({type(e).__name__}: {e}): "
+            "nothing is resumed from it, every job runs and the record starts afresh"
+        )
+        return Record()
 
 
-def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Dict[int, JobOutcome]) -> Resumption:
-    """What of `jobs` (plans with `.idx` and `.overrides`) the record has done or stopped.
-
-    A recorded job is the same job when its overrides are the same and so is its
-    fingerprint (the task's source and config). `mode` is `hydra.launcher.resume`: false
-    ignores the record; true takes a job with the same overrides whatever changed in the
-    code or config (say, a fix), and refuses to start when the record holds none.
-    """
-    found = Resumption()
-    if mode is False:
-        return found
-    changed = []
+def same_sweep(jobs: Sequence[Any], record: Record) -> Optional[str]:
+    """None when `record` holds every one of `jobs` (plans) with the same overrides and
+    fingerprint; else what differs, for the user's line."""
     for job in jobs:
-        outcome = record.get(job.idx)
+        outcome = record.jobs.get(job.idx)
+        if outcome is None:
+            return f"it has no job #{job.idx}"
+        if list(outcome.overrides) != list(job.overrides):
+            return f"its job #{job.idx} had other overrides ({' '.join(outcome.overrides) or 'none'})"
+        if outcome.fingerprint != job.fingerprint:
+            return (
+                f"job #{job.idx}'s task code, config, launcher settings, env_set or environment "
+                "variables the config reads changed"
+            )
+    return None
+
+
+def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, first: bool) -> Resumption:
+    """What of `jobs` (plans with `.idx`, `.overrides`, `.fingerprint`) the record has done
+    or stopped, for `mode` (`hydra.launcher.resume`). `first`: the run's first launch, which
+    decides whether the record is resumed at all; a later batch of a sweeper takes what
+    the record holds of its jobs."""
+    found = Resumption()
+    if mode is False or not record.jobs:
+        if mode is True and first:
+            raise LauncherConfigError(
+                f"hydra.launcher.resume=true: {shown_path(str(sweep_dir))} holds no record of this sweep "
+                f"(no readable {SUMMARY_FILE}); set hydra.launcher.resume=auto to run it afresh"
+            )
+        return found
+    path = shown_path(str(sweep_dir / SUMMARY_FILE))
+    differs = same_sweep(jobs, record)
+    if first:
+        if differs is not None:
+            if mode is True:
+                raise LauncherConfigError(
+                    f"hydra.launcher.resume=true: {path} records another sweep ({differs}); "
+                    "set hydra.launcher.resume=auto to run every job afresh, or use another hydra.sweep.dir"
+                )
+            log.info(f"{path} records another sweep ({differs}): every job runs, the record starts afresh")
+            record.jobs.clear()
+            return found
+        if mode == "auto" and record.finished() and not _slurm_restarted(os.environ):
+            log.info(
+                f"{path} records a finished sweep (every job completed or failed): this is a new run, "
+                "every job runs again (hydra.launcher.resume=true resumes it instead)"
+            )
+            record.jobs.clear()
+            return found
+    for job in jobs:
+        outcome = record.jobs.get(job.idx)
         if outcome is None or list(outcome.overrides) != list(job.overrides):
             continue
         if outcome.fingerprint != job.fingerprint:
-            changed.append(job.idx)
-            if mode is not True:
-                continue
+            continue
         found.recorded[job.idx] = outcome
-    if changed and mode is True:
-        log.warning(
-            f"hydra.launcher.resume=true: the task's source or config changed since the record of "
-            f"job(s) {_listed(changed).strip(' ()')}; resuming them all the same"
-        )
-    if mode is True and not found.recorded:
-        raise LauncherConfigError(
-            f"hydra.launcher.resume=true: {shown_path(str(sweep_dir))} holds no record of this sweep "
-            f"(no {SUMMARY_FILE} with these jobs' overrides)"
-        )
     for num, outcome in found.recorded.items():
         if outcome.status == COMPLETED:
-            returned = load_return(Path(outcome.job_dir), num)
+            returned = load_return(job_dir_of(sweep_dir, outcome), num)
             if returned is not None:
                 found.completed[num] = returned
         elif outcome.status == PREEMPTED:
             found.preempted.add(num)
     return found
+
+
+def job_dir_of(sweep_dir: Path, outcome: JobOutcome) -> Path:
+    """Where a recorded job's dir is now: below the sweep dir, wherever that was moved."""
+    return sweep_dir / outcome.subdir if outcome.subdir else Path(outcome.job_dir)
+
+
+def continues_in_place(sweep_dir: Path, outcome: JobOutcome, output_dir: Path) -> bool:
+    """Whether a preempted job resumes: its ranks ran before, in the dir it runs in now."""
+    return outcome.ranks_ran and os.path.relpath(output_dir, sweep_dir) == outcome.subdir
+
+
+def _slurm_restarted(environ: Mapping[str, str]) -> bool:
+    """SLURM runs this batch job again (a requeue): what it had done is kept, finished or not."""
+    return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
 
 
 def log_resumption(sweep_dir: Path, found: Resumption) -> None:
@@ -115,57 +192,143 @@ def log_resumption(sweep_dir: Path, found: Resumption) -> None:
     )
 
 
-def source_digest(task_function: Any, pickled_task: bytes) -> str:
-    """The task's source file, digested: another app, or an edited one, is another task.
+def task_digest(task_function: Any) -> str:
+    """What the task computes, digested: the function itself (its code, what it closes over,
+    its defaults; a `functools.partial`'s arguments), the source file that defines it (its
+    module body runs in every rank) and the project's own modules it has imported (those
+    below the task's directory, not installed packages). Another function of the same file,
+    an edited helper module, another closed-over value: another task."""
+    digest = hashlib.sha1()
+    target = task_function
+    while hasattr(target, "func") and hasattr(target, "args"):  # functools.partial
+        _digest_value(digest, (target.args, sorted((target.keywords or {}).items())))
+        target = target.func
+    target = inspect.unwrap(target)
+    digest.update(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}".encode())
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        _digest_code(digest, code)
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell: nothing it closes over yet
+            continue
+        _digest_value(digest, value)
+    _digest_value(digest, (getattr(target, "__defaults__", None), getattr(target, "__kwdefaults__", None)))
+    for name, path in _project_modules(_source_file(target)):
+        digest.update(f"\n{name}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
-    A task without a source file (made interactively) is known by its pickled form.
-    """
-    target = inspect.unwrap(getattr(task_function, "func", task_function))
+
+def _source_file(target: Any) -> Optional[str]:
     try:
         source = inspect.getsourcefile(target)
-    except TypeError:
-        source = None
-    data = Path(source).read_bytes() if source and os.path.isfile(source) else pickled_task
-    return hashlib.sha1(data).hexdigest()
+    except TypeError:  # a builtin or a callable object without a source file
+        return None
+    return os.path.abspath(source) if source and os.path.isfile(source) else None
 
 
-def fingerprint(source: str, task_cfg: DictConfig) -> str:
-    """What a job computes: its task's source digest and its config (as composed, unresolved,
-    so that `${now:}` and the like do not make a requeued run another job)."""
+def _digest_code(digest: Any, code: Any) -> None:
+    """A code object's bytecode, names and constants, nested functions' code included."""
+    digest.update(code.co_code)
+    digest.update(repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            _digest_code(digest, const)
+        else:
+            digest.update(repr(const).encode())
+
+
+def _digest_value(digest: Any, value: Any) -> None:
+    """A value the task closes over: its pickle (its repr when it cannot be pickled)."""
+    try:
+        data = cloudpickle.dumps(value)
+    except Exception as e:  # a lock, a socket: what it shows of itself is what can count
+        data = f"{type(e).__name__}: {value!r}".encode()
+    digest.update(data)
+
+
+def _project_modules(task_file: Optional[str]) -> List["tuple[str, Path]"]:
+    """The imported modules whose source lies below the task's directory (the app and the
+    project's own modules), not those of installed packages or of Python itself."""
+    if task_file is None:
+        return []
+    root = os.path.dirname(task_file) + os.sep
+    installed = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    found = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not path.endswith(".py"):
+            continue
+        path = os.path.abspath(path)
+        parts = path.split(os.sep)
+        if not path.startswith(root) or path.startswith(installed) or "site-packages" in parts:
+            continue
+        if name.startswith("hydra_plugins.hydra_torchrun_launcher") or not os.path.isfile(path):
+            continue
+        found.append((name, Path(path)))
+    return sorted(found)
+
+
+def fingerprint(task: str, task_cfg: DictConfig, settings: Any, env_set: Mapping[str, str]) -> str:
+    """What a job computes: the task's digest (`task_digest`), its config as composed,
+    unresolved (so that `${now:}` and the like do not make a requeued run another job), the
+    values of the environment variables that config reads (`oc.env`), the launcher's
+    settings (`settings`: the job's TorchrunLauncherConf, but for how and where the sweep
+    runs) and env_set (resolved)."""
     text = OmegaConf.to_yaml(task_cfg, resolve=False)
-    return hashlib.sha1(f"{source}\n{text}".encode()).hexdigest()[:16]
+    read = {name: os.environ.get(name) for name in sorted(set(_ENV_READ.findall(text)))}
+    launcher = {k: v for k, v in asdict(settings).items() if k not in _NOT_FINGERPRINTED}
+    other = json.dumps([read, launcher, dict(sorted(env_set.items()))], sort_keys=True, default=repr)
+    return hashlib.sha1(f"{task}\n{text}\n{other}".encode()).hexdigest()[:16]
 
 
-def _listed(nums: List[int]) -> str:
+def _listed(nums: Iterable[int]) -> str:
+    nums = list(nums)
     return f" ({', '.join(f'#{n}' for n in nums)})" if nums else ""
 
 
 def save_return(job_dir: Path, job_return: JobReturn) -> None:
-    """Keep a completed job's JobReturn for a later resume (owner-only, replaced whole)."""
+    """Keep a completed job's JobReturn for a later resume: owner-only whatever the umask,
+    replaced whole, on disk before the launcher goes on."""
     path = job_dir / RETURN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(cloudpickle.dumps(job_return))
-    os.replace(partial, path)
+    replace_whole(path, cloudpickle.dumps(job_return), mode=0o600)
 
 
 def load_return(job_dir: Path, num: int) -> "JobReturn | None":
-    """A completed job's JobReturn from the record; None (the job runs again) when it is
-    missing. One that another user could have written is refused by name."""
+    """A completed job's JobReturn from the record; None, with one line (the job runs
+    again), when it is missing, cannot be trusted or cannot be read.
+
+    Trusted: the file and its dir are this user's, and nobody else can write the file. A
+    dir others may write (umask 002) lets them replace the file only with one of their
+    own, which is refused here."""
     path = job_dir / RETURN_FILE
+    shown = shown_path(str(path))
     if not path.is_file():
-        shown = shown_path(str(path))
         log.warning(f"job #{num} is completed in the record but {shown} is missing: it runs again")
         return None
-    for checked in (path.parent, path):
+    for checked, others_may_write in ((path.parent, True), (path, False)):
         info = checked.stat()
-        if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise LauncherConfigError(
-                f"{shown_path(str(checked))} is not private to this user (owner uid {info.st_uid}, mode "
-                f"{stat.filemode(info.st_mode)}): the sweep's record is not resumed from it; "
-                "set hydra.launcher.resume=false to run every job again"
+        foreign = info.st_uid != os.geteuid()
+        if foreign or (not others_may_write and info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            log.warning(
+                f"job #{num} is completed in the record but {shown_path(str(checked))} is not this user's "
+                f"alone (owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}): its result is not "
+                "trusted, the job runs again"
             )
-    with open(path, "rb") as f:
-        return cloudpickle.load(f)
+            return None
+    try:
+        with open(path, "rb") as f:
+            returned = pickle.load(f)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, ValueError) as e:
+        log.warning(
+            f"job #{num} is completed in the record but {shown} cannot be read ({type(e).__name__}: {e}): "
+            "it runs again"
+        )
+        return None
+    if not isinstance(returned, JobReturn):
+        log.warning(f"job #{num} is completed in the record but {shown} holds no JobReturn: it runs again")
+        return None
+    return returned

@@ -5,6 +5,7 @@ line naming the key at fault and what it accepts. Nothing here needs torch.
 """
 
 import functools
+import math
 import re
 import signal
 import typing
@@ -167,7 +168,7 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
     checks = [
         ("start_method", conf.start_method in START_METHODS, "use one of " + ", ".join(START_METHODS)),
         ("max_restarts", conf.max_restarts >= 0, "use an int >= 0"),
-        ("monitor_interval", conf.monitor_interval > 0, "use a number of seconds > 0"),
+        ("monitor_interval", 0 < conf.monitor_interval < math.inf, "use a finite number of seconds > 0"),
         ("shutdown_timeout", conf.shutdown_timeout >= 0, "use a number of seconds >= 0"),
         ("node_rank", 0 <= conf.node_rank, "use an int >= 0"),
         ("redirects", _STD_SPEC.match(str(conf.redirects)) is not None, "use 0-3 or LOCAL_RANK:0-3,..."),
@@ -181,8 +182,8 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
         ),
         (
             "job_timeout",
-            conf.job_timeout is None or conf.job_timeout > 0,
-            "use null (no limit) or a number of seconds > 0",
+            conf.job_timeout is None or 0 < conf.job_timeout < math.inf,
+            "use null (no limit) or a finite number of seconds > 0",
         ),
         (
             "numa_binding",
@@ -252,8 +253,8 @@ def _check_stop_keys(conf: TorchrunLauncherConf) -> None:
                 f"it is also in hydra.launcher.signals_to_handle={conf.signals_to_handle!r}, where "
                 "torch's agent would kill the ranks on it; take it out of one of them",
             )
-    if not conf.stop_timeout > 0:
-        raise _refuse("stop_timeout", conf.stop_timeout, "use a number of seconds > 0")
+    if not 0 < conf.stop_timeout < math.inf:
+        raise _refuse("stop_timeout", conf.stop_timeout, "use a finite number of seconds > 0")
     if conf.requeue not in ("auto", False):
         raise _refuse("requeue", conf.requeue, "use auto or false")
     if conf.resume not in ("auto", True, False):

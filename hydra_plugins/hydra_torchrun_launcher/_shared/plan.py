@@ -102,3 +102,6 @@ class JobPlan:
     resumed: bool = False
     # what the job computes (the task's source, its config): a record of the same job has it
     fingerprint: str = ""
+    # this launcher's node among the sweep's nodes that share its sweep dir (`_launcher.lock`);
+    # node 0 keeps the sweep's record and the jobs' bookkeeping files
+    node_slot: int = 0

@@ -63,6 +63,13 @@ PRIVATE_NAMES = (
         "every job process and rank scans Hydra's plugins again (a slower start)",
     ),
     PrivateName(
+        "hydra._internal.callbacks",
+        "Callbacks",
+        "_launcher.preempt (the `callbacks` list of HydraContext.callbacks, an instance of it)",
+        "the sweep's stop notice ends with the process, not at on_multirun_end (the app gets its own "
+        "handler of the stop signal back only then)",
+    ),
+    PrivateName(
         "hydra._internal.core_plugins.basic_sweeper",
         "BasicSweeper",
         "_launcher.reproduce (compared as a string only)",

@@ -1,0 +1,52 @@
+"""A one-rank app whose sweeps the record tests run twice, changing one thing in between.
+
+The task is chosen by TASK (`a` or `b`: two functions of this file), calls the project's
+own `helper` module, and fails on the job whose lr equals FAIL_AT (an outside cause that
+goes away: the same sweep, resumed, retries it).
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import helper
+import hydra
+import hydra.errors
+from omegaconf import DictConfig, OmegaConf
+
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
+
+def train_a(cfg: DictConfig) -> float:
+    if str(cfg.lr) == os.environ.get("FAIL_AT"):
+        raise ValueError(f"lr={cfg.lr} failed")
+    print(f"rank {os.environ['RANK']}: train_a lr={cfg.lr}", flush=True)
+    return helper.scale(cfg.lr)
+
+
+def train_b(cfg: DictConfig) -> float:
+    print(f"rank {os.environ['RANK']}: train_b lr={cfg.lr}", flush=True)
+    return -helper.scale(cfg.lr)
+
+
+_LAUNCHER_PID = os.getpid()
+
+
+def _stop_at(num: str) -> str:
+    """Resolved when the launcher composes a job (its env_set): sends the launcher its stop
+    signal, once, while it composes job number STOP_AT (as a preemption notice
+    that comes at that moment would)."""
+    once = Path(os.environ.get("STOP_ONCE", "stopped_once"))
+    if os.getpid() == _LAUNCHER_PID and str(num) == os.environ.get("STOP_AT") and not once.exists():
+        once.touch()
+        os.kill(os.getpid(), signal.SIGUSR2)
+    return "0"
+
+
+OmegaConf.register_new_resolver("stop_at", _stop_at)
+
+TASK = {"a": train_a, "b": train_b}[os.environ.get("TASK", "a")]
+
+if __name__ == "__main__":
+    hydra.main(**VERSION_BASE, config_path=".", config_name="config")(TASK)()
