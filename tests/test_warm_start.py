@@ -98,6 +98,7 @@ UNFIT_MODULES = {
         "threading.Thread(target=time.sleep, args=(3600,), name='poller', daemon=True).start()\n"
     ),
     "exits_at_import.py": "import sys\nsys.exit(3)\n",
+    "seeds.py": "import random\n\nrandom.seed(0)\n",
     "fine.py": "VALUE = 1\n",
 }
 
@@ -141,7 +142,7 @@ def test_preload_leaves_out_what_a_fork_would_carry_wrongly_with_one_line_each(t
             "-m",
             "hydra/launcher=torchrun",
             "hydra.launcher.nproc_per_node=2",
-            "hydra.launcher.preload=[reads_rank,reads_job_var,starts_thread,exits_at_import,fine]",
+            "hydra.launcher.preload=[reads_rank,reads_job_var,starts_thread,exits_at_import,seeds,fine]",
             "+hydra.job.env_set.JOB_TAG=tag${hydra:job.num}",
             "hydra.job.chdir=true",
             "hydra.sweep.dir=sweep",
@@ -160,6 +161,8 @@ def test_preload_leaves_out_what_a_fork_would_carry_wrongly_with_one_line_each(t
         f"{prefix}starts_thread is not preloaded: it starts a Python thread at import (poller), which a fork "
         "cannot carry",
         f"{prefix}exits_at_import is not preloaded: it exits at import (SystemExit: 3)",
+        f"{prefix}seeds is not preloaded: it seeds a global random generator at import (random), a seed a "
+        "rank's fresh random state would lose",
     ]
     expected = [line + suffix for line in expected]
     for line in expected:
@@ -183,7 +186,14 @@ def test_a_preloaded_module_that_kills_the_process_is_named_and_left_out(tmp_pat
     )
     result = run_app(
         tmp_path / "app.py",
-        ["-m", "hydra/launcher=torchrun", "hydra.launcher.preload=[kills]", "hydra.sweep.dir=sweep", "+x=0"],
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.preload=[kills]",
+            "hydra.job.chdir=true",
+            "hydra.sweep.dir=sweep",
+            "+x=0",
+        ],
         cwd=tmp_path,
     )
     line = (

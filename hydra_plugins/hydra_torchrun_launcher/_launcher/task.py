@@ -8,7 +8,6 @@ name (a lambda, a closure, a partial, a function made under `if __name__ == "__m
 travels by value, cloudpickled.
 """
 
-import inspect
 import os
 import sys
 from typing import Any, Optional
@@ -45,21 +44,31 @@ def app_script(task_function: Any) -> Optional[AppScript]:
         path=None if module is not None else os.path.abspath(str(path)),
         module=module,
         argv0=sys.argv[0] if sys.argv else str(path or module),
-        task_name=_name_in_script(task_function, main),
+        **_name_in_script(task_function, main),
     )
 
 
-def _name_in_script(task_function: Any, main: Any) -> Optional[str]:
+def _name_in_script(task_function: Any, main: Any) -> "dict[str, Any]":
     """The task's qualified name in the main module, when that name leads to this very
-    function (through `@hydra.main`'s wrapper, which keeps it as `__wrapped__`)."""
+    function, and how many `__wrapped__` levels inside it is: `@hydra.main`'s wrapper keeps
+    it there, around any decorator of the app's own (`functools.wraps`: torch's `@record`)."""
+    none = {"task_name": None, "task_unwraps": 0}
     if getattr(task_function, "__module__", None) != "__main__":
-        return None  # a function of an importable module travels by reference already
+        return none  # a function of an importable module travels by reference already
     qualname = getattr(task_function, "__qualname__", "")
     if not qualname or "<" in qualname:  # <lambda>, <locals>
-        return None
+        return none
     found: Any = main
     for part in qualname.split("."):
         found = getattr(found, part, None)
-    if found is None or inspect.unwrap(found) is not task_function:
-        return None
-    return qualname
+    for unwraps in range(_MAX_WRAPPERS):
+        if found is None:
+            break
+        if found is task_function:
+            return {"task_name": qualname, "task_unwraps": unwraps}
+        found = getattr(found, "__wrapped__", None)
+    return none
+
+
+# decorators between the name and the task (inspect.unwrap's own guard against a loop)
+_MAX_WRAPPERS = 32

@@ -20,6 +20,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Dict, List, Optional
 
 import cloudpickle
@@ -35,7 +36,7 @@ from .._shared.stop_files import note_rank_started
 from .error import write_rank_exception
 from .forkserver import drop_inherited_forkserver
 from .preloaded import redo_reads_at_import
-from .script import fresh_random_state, run_script, task_function
+from .script import fresh_random_state, run_script, script_frames, task_function
 
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
@@ -58,7 +59,11 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     if job.stop_signal is not None:
         signal.signal(job.stop_signal, signal.SIG_IGN)
     fresh_random_state()
-    run_script(job.script, job.overrides)
+    try:
+        run_script(job.script, job.overrides)
+    except Exception as e:
+        _tell_failure(e, script_frames(e.__traceback__, job.script))
+        raise
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
     Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
@@ -70,11 +75,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         value = task(job.task_cfg)
     except BaseException as e:
         if isinstance(e, Exception):
-            # on the rank's stderr, as Python prints it for a script under torchrun (from
-            # the task's frame on): the console shows it once, with the rank's prefix
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
-            # and the exception itself, for the job's error (`_rank.error`)
-            write_rank_exception(e, e.__traceback__.tb_next if e.__traceback__ else None)
+            _tell_failure(e, e.__traceback__.tb_next if e.__traceback__ else None)
         _linger_before_failing(job.failure_grace_s)
         raise
     finally:
@@ -88,6 +89,14 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             f"the task function's return value ({type(value).__name__}) cannot be pickled "
             f"to send it back to the launcher: {e}"
         ) from e
+
+
+def _tell_failure(error: BaseException, tb: Optional[TracebackType]) -> None:
+    """On the rank's stderr, as Python prints it for a script under torchrun (from the
+    script's or the task's frame on): the console shows it once, with the rank's prefix;
+    and the exception itself, for the job's error (`_rank.error`)."""
+    traceback.print_exception(type(error), error, tb)
+    write_rank_exception(error, tb)
 
 
 def _whitelisted(job: RankPayload) -> Dict[str, Any]:

@@ -176,13 +176,19 @@ def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[s
         importlib.import_module(name)
     import torch
 
+    if "numpy" in sys.modules:  # torch's; its global generator too, so that seeding it is seen
+        importlib.import_module("numpy.random")
+
     skipped: List[Tuple[str, str]] = []
     reads: Dict[str, Dict[str, List[str]]] = {}
     for name in modules:
         importing(name)
         why = None
         try:
-            reads[name], threads = watched_import(name)
+            reads[name], threads, touched = watched_import(name)
+            if touched:
+                why = f"it seeds a global random generator at import ({', '.join(touched)}), a seed a rank's "
+                why += "fresh random state would lose"
             if threads:
                 why = f"it starts a Python thread at import ({', '.join(threads)}), which a fork cannot carry"
         except Exception as e:  # reported to the launcher, which names the module

@@ -60,6 +60,8 @@ class AppScript:
     module: Optional[str]
     argv0: str  # sys.argv[0] as the launcher has it (as typed, or the module's file)
     task_name: Optional[str]
+    # how many `__wrapped__` levels inside what `task_name` leads to the task is
+    task_unwraps: int = 0
 
 
 @dataclass
