@@ -65,7 +65,9 @@ if __name__ == "__main__":
 
 def _run(tmp_path: Path, app: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     (tmp_path / "app.py").write_text(textwrap.dedent(app))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp))
     env.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
         [
@@ -86,6 +88,8 @@ def _run(tmp_path: Path, app: str, *args: str, check: bool = True) -> subprocess
     )
     if check:
         assert result.returncode == 0, result.stdout
+    # nothing left in TMPDIR, a failed job included (torch's error files of its ranks)
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
     return result
 
 

@@ -126,6 +126,13 @@ def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
             "hydra.launcher.launch_prefix='numactl' is invalid: use a list of strings",
         ),
         ("monitor_interval", 0, "hydra.launcher.monitor_interval=0.0 is invalid"),
+        # before any rank starts, not as a bare FileNotFoundError in every rank
+        (
+            "launch_prefix",
+            ["no_such_program_xyz", "--flag"],
+            "hydra.launcher.launch_prefix=['no_such_program_xyz', '--flag'] is invalid: "
+            "no_such_program_xyz is not a program found on PATH",
+        ),
         (
             "cluster",
             "pbs",
@@ -163,10 +170,10 @@ def test_wrong_values_name_their_key(key: str, value: object, expected: str) -> 
 
 
 def test_values_of_the_right_kind_are_taken_as_torchrun_would() -> None:
-    job = settings(nnodes="1:2", rdzv_id=5, launch_prefix=["numactl", "--cpunodebind", 0], job_timeout=3)
+    job = settings(nnodes="1:2", rdzv_id=5, launch_prefix=["env", "--unset", 0], job_timeout=3)
     assert (job.min_nodes, job.max_nodes) == (1, 2)
     assert job.conf.rdzv_id == "5"
-    assert job.conf.launch_prefix == ["numactl", "--cpunodebind", "0"]
+    assert job.conf.launch_prefix == ["env", "--unset", "0"]
     assert job.conf.job_timeout == 3.0
     assert settings(rdzv_conf="join_timeout=10,read_timeout=5").rdzv_conf == {
         "join_timeout": "10",

@@ -97,6 +97,9 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             if conf.start_method == "forkserver"
             else (lambda: None)
         )
+        # what torch writes through tempfile in this process (a failed rank's error file) goes
+        # with the job's private dir, not into TMPDIR to stay there (ranks reset it)
+        tempfile.tempdir = str(private_dir)
         try:
             job = build_agent_job(plan, private_dir)
             try:

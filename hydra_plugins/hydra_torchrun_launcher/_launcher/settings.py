@@ -7,6 +7,7 @@ line naming the key at fault and what it accepts. Nothing here needs torch.
 import functools
 import math
 import re
+import shutil
 import signal
 import typing
 from collections import abc
@@ -213,6 +214,11 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
             "module",
             not (conf.module and conf.no_python),
             "module and no_python cannot both be true",
+        ),
+        (
+            "launch_prefix",
+            not conf.launch_prefix or shutil.which(str(conf.launch_prefix[0])) is not None,
+            f"{conf.launch_prefix[0] if conf.launch_prefix else ''} is not a program found on PATH",
         ),
     ]
     for key, ok, allowed in checks:

@@ -16,6 +16,7 @@ import inspect
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +49,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     importable module needs the app's import path first.
     """
     die_with_parent()
+    tempfile.tempdir = None  # the job process's own (its private dir): TMPDIR, as in a fresh interpreter
     drop_inherited_forkserver()
     note_rank_started()
     for entry in reversed(sys_path):
