@@ -40,6 +40,16 @@ def _rank_descendants() -> List[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if not _is_long_lived_helper(p)]
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """A process this test started (in a group of its own) and all its descendants, killed."""
+    if proc.poll() is not None:
+        return
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def assert_gone(pids: Iterable[int]) -> None:
     """Every pid has exited (and been reaped) within EXIT_WAIT_S."""
     procs = []

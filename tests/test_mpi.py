@@ -7,18 +7,15 @@ every job of the sweep runs as one world of 2 x 2 ranks. Each launcher keeps its
 dir (`node${oc.env:OMPI_COMM_WORLD_RANK}`), as two hosts' disks would.
 """
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.conftest import assert_gone
+from tests.conftest import assert_gone, kill_tree
 from tests.test_multinode import APP, Node, base_env, check_job_across_nodes, rank_pids, report
 
 WAIT_S = 240
@@ -70,7 +67,7 @@ def test_mpirun_starts_two_launchers_that_make_one_world(tmp_path: Path) -> None
     try:
         mpirun_output, _ = mpirun.communicate(timeout=WAIT_S)
     except subprocess.TimeoutExpired:
-        _kill_tree(mpirun)
+        kill_tree(mpirun)
         pytest.fail(f"mpirun still runs after {WAIT_S} s")
     elapsed = round(time.monotonic() - started, 1)
     nodes = [Node(i, tmp_path / f"node{i}", mpirun, started, elapsed_s=elapsed) for i in (0, 1)]
@@ -84,12 +81,3 @@ def test_mpirun_starts_two_launchers_that_make_one_world(tmp_path: Path) -> None
         groups = check_job_across_nodes(nodes, job, x=x, nproc=2)
         assert sorted(groups.values()) == [0, 1], report(nodes)
     assert_gone(rank_pids(nodes, [0, 1]))
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        child.kill()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()

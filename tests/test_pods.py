@@ -11,19 +11,16 @@ module the rank imports (`multinode_apps/rank_probe.py`).
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
-import psutil
 import pytest
 
 from tests import pods as pods_module
-from tests.conftest import assert_gone
+from tests.conftest import assert_gone, kill_tree
 from tests.pods import Pods
 from tests.test_cluster_environments import kubeflow_v1, kubeflow_v2
 from tests.test_multinode import APP, Node, base_env, check_job_across_nodes, rank_pids, report
@@ -70,17 +67,8 @@ def run_in_pods(
         pytest.fail(f"a pod still runs after {WAIT_S} s\n{report(nodes)}")
     finally:
         for node in nodes:
-            _kill_tree(node.proc)
+            kill_tree(node.proc)
     return nodes
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        child.kill()
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def reference_world(pods: Pods, tmp_path: Path, env_of: Callable[[int], Dict]) -> Dict[int, str]:
