@@ -207,6 +207,42 @@ def test_a_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, installed_probe: 
         assert not _repeated_draws(records), _repeated_draws(records)
 
 
+# in script mode a rank is `python script.py args` run in its job dir, by the launcher's rule
+# that a script runs in its job dir: the fields that follow from that
+SCRIPT_MODE_DELIBERATE = {"cwd", "hydra.output_dir", "hydra.cwd_is_output_dir"}
+
+
+def test_a_script_mode_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, installed_probe: None) -> None:
+    """`training_script`: every rank runs the script itself, as a process of its own."""
+    app_dir = _install_app(tmp_path)
+    out = tmp_path / "script"
+    ours = _under_the_launcher(
+        app_dir,
+        tmp_path / "launcher",
+        "hydra.launcher.training_script=app.py",
+        f"hydra.launcher.training_script_args=['out={out}','x=${{x}}','hydra.run.dir=.']",
+    )
+    assert ours == {}  # the launching app's task runs in no rank: the script does
+    ours = _records(out)
+    theirs = _under_torchrun(app_dir, tmp_path / "torchrun")
+    assert sorted(ours) == [(0, 1), (0, 2), (1, 1), (1, 2)], ours.keys()
+    for rank in (0, 1):
+        found = [
+            d
+            for d in _differences(theirs[(rank, 1)], ours[(rank, 1)])
+            if d.split(":")[0] not in SCRIPT_MODE_DELIBERATE
+        ]
+        assert not found, f"rank {rank}:\n" + "\n".join(found)
+    for (_, x), record in ours.items():
+        # a script of its own: __main__, all ranks logging into one file, as under torchrun
+        assert record["main"]["name"] == record["task_globals"] == "__main__"
+        assert [h[2] for h in record["logging"]["handlers"]] == ["app.log", ""]
+        assert record["argv"] == [str(app_dir / "app.py"), f"out={out}", f"x={x}", "hydra.run.dir=."]
+        assert record["cwd"] == record["hydra"]["output_dir"] == str(app_dir / "sweep" / str(x - 1))
+        assert record["installed_package"]["job_var"] == "job_app"
+    assert not _repeated_draws(ours), _repeated_draws(ours)
+
+
 def test_every_deliberate_difference_is_a_field_the_app_records(
     tmp_path: Path, installed_probe: None
 ) -> None:
