@@ -324,8 +324,9 @@ def test_edited_code_under_the_default_resume_starts_the_sweep_afresh(tmp_path: 
     code, out = Sweep(app_dir, *SWEEP).end()
     assert code == 0, out
     assert (
-        "sweep/sweep_summary.json records another sweep (other jobs, overrides, task or config): "
-        "every job runs, and the record starts afresh" in out
+        "sweep/sweep_summary.json records another sweep (job #0's task code, config, launcher settings, "
+        "env_set or environment variables the config reads changed): every job runs, the record starts "
+        "afresh" in out
     ), out
     assert "Resuming the sweep" not in out and "resumed at step" not in out, out
     assert out.count("[default0]:rank 0: finished, 6 steps from 0") == 3, out
@@ -334,34 +335,32 @@ def test_edited_code_under_the_default_resume_starts_the_sweep_afresh(tmp_path: 
     assert [job["return_value"]["from"] for job in jobs] == [0, 0, 0], jobs
 
 
-def test_changed_overrides_under_resume_true_resume_only_the_jobs_whose_overrides_match(
-    tmp_path: Path,
-) -> None:
-    """README: a job counts as the same when its number and overrides are the same;
-    `resume=true` resumes whatever changed in the code, never another job's record, and is
-    an error when no job of the record matches."""
+def test_changed_overrides_under_resume_true_are_refused_in_one_line(tmp_path: Path) -> None:
+    """README: `resume=true` resumes the record of the same sweep (the same jobs with the same
+    overrides), finished or not; a sweep whose jobs' overrides changed is another sweep, and
+    resuming it is refused in one line, naming the job, before any rank runs."""
     app_dir = _install(tmp_path)
     code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2").end()
     assert code == 0, out
-    # job 1's override changed: job 0 comes from the record, job 1 runs
     resume = "hydra.launcher.resume=true"
-    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.3", resume).end()
+    # the same sweep, finished: its completed jobs come from the record
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", resume).end()
     assert code == 0, out
-    assert "1 completed job(s) come from its record (#0), 0 preempted job(s) continue" in out, out
-    assert out.count("[default0]:rank 0: done, 6 steps from 0") == 1, out
+    assert "[default0]" not in out, out
+    # job 1's override changed: another sweep
+    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.3", resume).end()
+    assert code == 1, out
+    assert (
+        "hydra.launcher.resume=true: sweep/sweep_summary.json records another sweep (its job #1 had other "
+        "overrides (lr=0.2)); set hydra.launcher.resume=auto to run every job afresh, or use another "
+        "hydra.sweep.dir" in out
+    ), out
+    assert "[default0]" not in out, out
     jobs = _summary(app_dir)
     assert [(job["status"], job["return_value"]["lr"]) for job in jobs] == [
         ("COMPLETED", 0.1),
-        ("COMPLETED", 0.3),
+        ("COMPLETED", 0.2),
     ], jobs
-    # no job's overrides match: refused in one line, no rank runs
-    code, out = Sweep(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.5", resume).end()
-    assert code == 1, out
-    assert (
-        "hydra.launcher.resume=true: sweep holds no record of this sweep "
-        "(no sweep_summary.json with these jobs' overrides)" in out
-    ), out
-    assert "[default0]" not in out, out
 
 
 def test_a_training_script_asks_the_same_way(tmp_path: Path) -> None:
