@@ -385,6 +385,14 @@ if __name__ == "__main__":
         ("hydra.launcher.rdzv_backend=etcd3", "rdzv_backend"),
         ("hydra.launcher.logs_specs=nope", "logs_specs"),
         ("hydra.launcher.signals_to_handle='SIGTERM,SIGTERN'", "signals_to_handle"),
+        # a program that is not there: not a bare FileNotFoundError in every rank
+        ("hydra.launcher.launch_prefix=[no_such_program_xyz]", "launch_prefix"),
+        # past the last node of a static rendezvous: not a wait for a world that never forms
+        (
+            "hydra.launcher.nnodes=2 hydra.launcher.node_rank=5 hydra.launcher.rdzv_backend=static "
+            "hydra.launcher.master_addr=127.0.0.1 hydra.launcher.master_port=29977",
+            "node_rank",
+        ),
     ],
 )
 def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, override: str, key: str) -> None:
@@ -405,7 +413,7 @@ if __name__ == "__main__":
     )
     result = run_app(
         app,
-        ["-m", "hydra/launcher=torchrun", override, "+x=1,2"],
+        ["-m", "hydra/launcher=torchrun", *override.split(), "+x=1,2"],
         cwd=tmp_path,
         check=False,
         full_error=False,

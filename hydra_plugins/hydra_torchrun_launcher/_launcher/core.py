@@ -50,7 +50,7 @@ from .resume import (
     save_return,
     task_digest,
 )
-from .settings import resolve_settings
+from .settings import check_node_rank, resolve_settings
 from .shared_dir import publish_decision, take_decision
 from .task import app_script, pickle_task
 
@@ -344,6 +344,7 @@ def _compose(launcher: "SweepLauncher", overrides: List[str], idx: int) -> DictC
 def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
     """The job's launcher settings (with what SLURM gives), checked; and the cluster log line."""
     settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ, _keys_set(config))
+    check_node_rank(settings)
     check_supported(settings)
     return settings, note
 

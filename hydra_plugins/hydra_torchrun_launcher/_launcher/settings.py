@@ -240,6 +240,16 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
         raise _refuse("devices", conf.devices, "list each device id once")
 
 
+def check_node_rank(settings: JobSettings) -> None:
+    """A static rendezvous's node rank is one of its nodes (checked once the cluster's values
+    are in: a node rank past the last node would wait for a world that never forms)."""
+    conf = settings.conf
+    if conf.rdzv_backend == "static" and conf.node_rank >= settings.max_nodes:
+        raise _refuse(
+            "node_rank", conf.node_rank, f"use 0 to {settings.max_nodes - 1} (nnodes={conf.nnodes})"
+        )
+
+
 def _check_stop_keys(conf: TorchrunLauncherConf) -> None:
     if conf.stop_signal is not None:
         named = signals_named(conf.stop_signal)
