@@ -59,7 +59,8 @@ def hold_sweep_lock(sweep_dir: Path, nodes: int = 1) -> int:
             os.close(fd)
             continue
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.time():.6f}\n".encode(), 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())  # as the user reads it
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
         _HELD[str(sweep_dir.resolve() / lock_name(slot))] = fd
         return slot
     path = sweep_dir / LOCK_FILE
