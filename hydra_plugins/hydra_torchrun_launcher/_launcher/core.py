@@ -52,7 +52,7 @@ from .resume import (
 )
 from .settings import check_node_rank, resolve_settings
 from .shared_dir import publish_decision, take_decision
-from .task import app_script, pickle_task, task_filename
+from .task import app_script, pickle_task
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,6 @@ def launch(
 
     pickled_task, task_error = pickle_task(launcher.task_function)
     script = app_script(launcher.task_function)
-    task_file = task_filename(launcher.task_function)
     if script is not None and script.task_name is not None:
         task_error = None  # each rank finds the task by name in the script it runs
     task = task_digest(launcher.task_function)
@@ -121,7 +120,7 @@ def launch(
         with _hydra_config(config):
             try:
                 settings, note = _checked_settings(config)
-                plan = _plan(config, settings, pickled_task, script, task_file, sweep_key)
+                plan = _plan(config, settings, pickled_task, script, sweep_key)
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
@@ -365,7 +364,6 @@ def _plan(
     settings: JobSettings,
     pickled_task: bytes,
     script: Optional[AppScript],
-    task_file: Optional[str],
     sweep_key: str,
 ) -> JobPlan:
     """What the job's ranks need, captured now: Hydra's global state is this job's only here.
@@ -403,7 +401,6 @@ def _plan(
             failure_grace_s=2 * settings.conf.monitor_interval + 0.1,
             stop_signal=stop_signal_of(settings.conf),
             script=script,
-            task_filename=task_file,
         ),
         launch_dir=os.getcwd(),
         env_set={

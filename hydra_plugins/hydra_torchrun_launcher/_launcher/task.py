@@ -28,13 +28,6 @@ def pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
         )
 
 
-def task_filename(task_function: Any) -> Optional[str]:
-    """The file the task's code is in, for a rank to put back into a by-value copy (whose
-    frames cloudpickle >= 3.1.3 names "<dynamic-code>": no file, no source lines)."""
-    function = getattr(task_function, "func", task_function)  # a functools.partial's own
-    return getattr(getattr(function, "__code__", None), "co_filename", None)
-
-
 def app_script(task_function: Any) -> Optional[AppScript]:
     """The launcher's main script, as multiprocessing's spawn would run it in a child.
 

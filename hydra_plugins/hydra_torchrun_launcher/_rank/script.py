@@ -21,7 +21,7 @@ import os
 import random
 import sys
 from multiprocessing import spawn
-from types import CodeType, TracebackType
+from types import TracebackType
 from typing import Any, Callable, List, Optional
 
 import cloudpickle
@@ -98,9 +98,7 @@ def script_frames(tb: Optional[TracebackType], script: Optional[AppScript]) -> O
     return tb
 
 
-def task_function(
-    script: Optional[AppScript], pickled_task: bytes, task_file: Optional[str]
-) -> Callable[..., Any]:
+def task_function(script: Optional[AppScript], pickled_task: bytes) -> Callable[..., Any]:
     """The task the script's body defined, by name; by value where it has no name there.
 
     The name leads to what the body bound (`@hydra.main`'s wrapper, around any decorator of
@@ -119,25 +117,4 @@ def task_function(
                 f"the task function {script.task_name} is not defined when the script's body runs "
                 "in a rank (is it made under `if __name__ == '__main__':`?), and it cannot be pickled"
             )
-    return with_code_file(cloudpickle.loads(pickled_task), task_file)
-
-
-def with_code_file(task: Any, filename: Optional[str]) -> Any:
-    """A by-value task with its code's file put back (cloudpickle >= 3.1.3 names it
-    "<dynamic-code>"): its frames then name the file and show their source lines, as the
-    task's own do under torchrun."""
-    function = getattr(task, "func", task)  # a functools.partial's own
-    code = getattr(function, "__code__", None)
-    if filename is None or code is None or code.co_filename == filename:
-        return task
-    function.__code__ = _code_in(code, code.co_filename, filename)
-    return task
-
-
-def _code_in(code: CodeType, dynamic: str, filename: str) -> CodeType:
-    """`code` and the code objects nested in it (inner functions, comprehensions) with the
-    file `dynamic` renamed `filename`."""
-    consts = tuple(_code_in(c, dynamic, filename) if isinstance(c, CodeType) else c for c in code.co_consts)
-    return code.replace(
-        co_filename=filename if code.co_filename == dynamic else code.co_filename, co_consts=consts
-    )
+    return cloudpickle.loads(pickled_task)

@@ -72,7 +72,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     rank = int(os.environ.get("RANK", "0"))
     configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
     _enter_execution_whitelist(job.execution_whitelist)
-    task = task_function(job.script, job.pickled_task, job.task_filename)
+    task = task_function(job.script, job.pickled_task)
     try:
         value = task(job.task_cfg)
     except BaseException as e:

@@ -81,8 +81,6 @@ class RankPayload:
     execution_whitelist: Any = None
     # the script every rank runs as `__mp_main__` first; None where there is none (python -c)
     script: Optional[AppScript] = None
-    # the file a by-value task's code comes from (cloudpickle >= 3.1.3 names it "<dynamic-code>")
-    task_filename: Optional[str] = None
 
 
 @dataclass
