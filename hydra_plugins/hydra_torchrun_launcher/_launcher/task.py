@@ -8,8 +8,12 @@ name (a lambda, a closure, a partial, a function made under `if __name__ == "__m
 travels by value, cloudpickled.
 """
 
+import io
+import marshal
 import os
 import sys
+import types
+from collections import ChainMap
 from typing import Any, Optional
 
 import cloudpickle
@@ -17,10 +21,25 @@ import cloudpickle
 from .._shared.plan import AppScript
 
 
+def _marshalled(code: types.CodeType) -> "tuple[Any, tuple[bytes]]":
+    return marshal.loads, (marshal.dumps(code),)
+
+
+class _TaskPickler(cloudpickle.Pickler):
+    """cloudpickle, with code objects marshalled whole. cloudpickle >= 3.1.3 renames the file
+    of a by-value function's code "<dynamic-code>", which leaves its frames in a traceback
+    without a file or source lines (Hydra 1.4 checks that a failed task's frames are its
+    own). The ranks run this very interpreter, for which marshal is exact."""
+
+    dispatch_table = ChainMap({types.CodeType: _marshalled}, cloudpickle.Pickler.dispatch_table)
+
+
 def pickle_task(task_function: Any) -> "tuple[bytes, Optional[str]]":
     """The task function, cloudpickled once per sweep; or why it cannot travel to the ranks."""
     try:
-        return cloudpickle.dumps(task_function), None
+        buffer = io.BytesIO()
+        _TaskPickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(task_function)
+        return buffer.getvalue(), None
     except Exception as e:
         return b"", (
             f"the task function cannot be pickled for the ranks ({type(e).__name__}: {e}); "
