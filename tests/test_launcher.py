@@ -3,6 +3,7 @@
 import functools
 import inspect
 import os
+import subprocess
 import threading
 import traceback
 from contextlib import contextmanager
@@ -372,6 +373,36 @@ if __name__ == "__main__":
     assert (tmp_path / "done_2_0").exists() and (tmp_path / "done_2_1").exists()
 
 
+REFUSED_APP = """
+import hydra
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
+@hydra.main(**VERSION_BASE, config_path=None)
+def main(cfg):
+    open("a_rank_ran", "w").close()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _refused_before_any_rank(tmp_path: Path, *overrides: str) -> "subprocess.CompletedProcess[str]":
+    """A two-job sweep with `overrides`, which the launcher refuses: no rank has run."""
+    app = tmp_path / "app.py"
+    app.write_text(REFUSED_APP)
+    result = run_app(
+        app,
+        ["-m", "hydra/launcher=torchrun", *overrides, "+x=1,2"],
+        cwd=tmp_path,
+        check=False,
+        full_error=False,
+    )
+    assert result.returncode != 0
+    assert not (tmp_path / "a_rank_ran").exists()
+    return result
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -396,30 +427,7 @@ if __name__ == "__main__":
     ],
 )
 def test_invalid_settings_are_refused_before_any_rank_starts(tmp_path: Path, override: str, key: str) -> None:
-    app = tmp_path / "app.py"
-    app.write_text(
-        """
-import hydra
-# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
-VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
-
-@hydra.main(**VERSION_BASE, config_path=None)
-def main(cfg):
-    open("a_rank_ran", "w").close()
-
-if __name__ == "__main__":
-    main()
-"""
-    )
-    result = run_app(
-        app,
-        ["-m", "hydra/launcher=torchrun", *override.split(), "+x=1,2"],
-        cwd=tmp_path,
-        check=False,
-        full_error=False,
-    )
-    assert result.returncode != 0
-    assert not (tmp_path / "a_rank_ran").exists()
+    result = _refused_before_any_rank(tmp_path, *override.split())
     # one line naming the key, then Hydra's hint on how to see the full trace
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) <= 3, result.stderr
@@ -433,30 +441,7 @@ def test_an_unknown_key_is_refused_in_the_launchers_own_line(tmp_path: Path) -> 
 
     from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
-    app = tmp_path / "app.py"
-    app.write_text(
-        """
-import hydra
-# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
-VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
-
-@hydra.main(**VERSION_BASE, config_path=None)
-def main(cfg):
-    open("a_rank_ran", "w").close()
-
-if __name__ == "__main__":
-    main()
-"""
-    )
-    result = run_app(
-        app,
-        ["-m", "hydra/launcher=torchrun", "+hydra.launcher.no_such_key=1", "+x=1,2"],
-        cwd=tmp_path,
-        check=False,
-        full_error=False,
-    )
-    assert result.returncode != 0
-    assert not (tmp_path / "a_rank_ran").exists()
+    result = _refused_before_any_rank(tmp_path, "+hydra.launcher.no_such_key=1")
     keys = ", ".join(sorted(f.name for f in fields(TorchrunLauncherConf) if not f.name.startswith("_")))
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     # then Hydra's hint on how to see the whole trace, which Hydra 1.4 leaves out for a short error
