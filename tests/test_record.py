@@ -237,8 +237,9 @@ class _Launcher:
 
 def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_002(tmp_path: Path) -> None:
     app_dir = _install(tmp_path, PREEMPT_APP)
-    # jobs long enough for a second launcher to start and be refused while job 1 runs
-    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=40", "step_s=0.3"]
+    # jobs long enough for a second launcher to start and be refused while job 1 runs; rank 0
+    # checkpoints every 2 steps, as long trainings do
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=40", "step_s=0.3", "checkpoint_every=2"]
     first = _Launcher(app_dir, *sweep, umask=0o002)
     first.wait_for_text("\t#1 : lr=0.2")
 
@@ -252,21 +253,51 @@ def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_
     ), second.stdout
     assert "[default0]" not in second.stdout
 
-    # the first one is killed hard (an OOM killer, a node lost) while job 1 runs
-    assert "rank 0: done, 40 steps" not in first.text().split("\t#1 : lr=0.2")[1], first.text()
+    # the first one is killed hard (an OOM killer, a node lost) while job 1 runs, after a checkpoint
+    first.wait_for_text("[default0]:rank 0: step 3", after="\t#1 : lr=0.2")
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "RUNNING"]
     children = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(timeout=60)
     assert_gone(children)
+    saved = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
+    assert saved >= 2
 
     # its lock does not block; the unfinished sweep resumes, job 0 from the record (0600
-    # pickle in a group-writable job dir under umask 002)
+    # pickle in a group-writable job dir under umask 002), job 1 from its checkpoint
     assert (app_dir / "sweep" / "0" / ".hydra").stat().st_mode & 0o020
     code, out = _Launcher(app_dir, *sweep, umask=0o002).end()
     assert code == 0, out
-    assert "1 completed job(s) come from its record (#0)" in out, out
-    assert "ended: #1 : lr=0.2" in out and out.count("rank 0: done, 40 steps from 0") == 1, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
+    assert f"[default0]:rank 0: resumed at step {saved}" in out, out
+    assert f"rank 0: done, 40 steps from {saved}" in out and "steps from 0" not in out, out
+    assert "job 1 of 1 ended: #1 : lr=0.2 steps=40 step_s=0.3 checkpoint_every=2 : COMPLETED" in out, out
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+
+def test_a_sweep_stopped_with_sigterm_continues_its_job_from_the_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C or SIGTERM (a scheduler's kill) mid-job: the same command continues the job in its
+    job dir with `resumed()` True; a job that failed, or that is rerun afresh, is not resumed."""
+    app_dir = _install(tmp_path, PREEMPT_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=30", "step_s=0.2", "checkpoint_every=2"]
+    first = _Launcher(app_dir, *sweep)
+    first.wait_for_text("[default0]:rank 0: step 3", after="\t#1 : lr=0.2")
+    first.proc.send_signal(signal.SIGTERM)
+    code, out = first.end()
+    assert code != 0, out
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "STOPPED"], out
+    saved = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
+
+    code, out = _Launcher(app_dir, *sweep).end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
+    assert f"[default0]:rank 0: resumed at step {saved}" in out, out
+    assert "without a checkpoint" not in out, out
+
+    # the finished sweep, run again, is a new run: its jobs start afresh, not resumed
+    code, out = _Launcher(app_dir, *sweep).end()
+    assert code == 0, out
+    assert "rank 0: resumed" not in out and out.count("rank 0: done, 30 steps from 0") == 2, out
 
 
 def _preempt_job_1(app_dir: Path, *extra: str, **env: str) -> str:
@@ -285,7 +316,7 @@ def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: P
     (app_dir / "sweep").rename(app_dir / "moved")
     code, out = _Launcher(app_dir, "-m", "hydra.sweep.dir=moved", "lr=0.1,0.2").end()
     assert code == 0, out
-    assert "1 completed job(s) come from its record (#0), 1 preempted job(s) continue (#1)" in out, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
     assert f"[default0]:rank 0: resumed at step {stopped_at}" in out, out
 
     # preempted again, then resumed with another hydra.sweep.subdir: no checkpoint there

@@ -32,6 +32,7 @@ from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.signals import ignored_group_signals, signals_named
+from .._shared.stop_files import RANKS_STARTED_FILE
 from .cluster import resolve_cluster
 from .lock import hold_sweep_lock, holder
 from .node_agreement import agree_on_resumption, waiting_for_nodes
@@ -235,6 +236,8 @@ def _run_plans(
         log.info(f"\t{job_title(plan.idx, plan.overrides)}{on}")
         if writes:
             write_rerun_script(plan, configs[plan.idx], job_devices)
+            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
+                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
         report.started(plan.idx)
 
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
@@ -244,7 +247,7 @@ def _run_plans(
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
         # a checkpoint may be in the job dir when its ranks ran now, or in the run resumed
-        ranks_ran = plan.resumed or _ranks_ran(job_return)
+        ranks_ran = plan.resumed or (plan.output_dir / RANKS_STARTED_FILE).exists()
         report.ended(plan.idx, job_return, status, ranks_ran)
 
     shown_dir = shown_path(str(sweep_dir))
@@ -293,12 +296,6 @@ def _without_bookkeeping(config: DictConfig) -> DictConfig:
     with read_write(config.hydra), open_dict(config.hydra):
         config.hydra.output_subdir = None
     return config
-
-
-def _ranks_ran(job_return: JobReturn) -> bool:
-    """Whether the job's ranks ran: any end but a preemption before they started."""
-    value = job_return._return_value
-    return not isinstance(value, JobPreempted) or value.ranks_ran
 
 
 def _status_of(job_return: JobReturn, stopped: bool) -> str:

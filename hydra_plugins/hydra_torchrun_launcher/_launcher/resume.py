@@ -11,9 +11,11 @@ this launch recorded with the same overrides and fingerprint) and says that the 
 did not reach its end (a job preempted, stopped or never started; the run stopped between
 a sweeper's batches), or SLURM restarted the batch job. Then a recorded job is:
 - COMPLETED: not run; its JobReturn (return value included) comes from the record;
-- PREEMPTED: run in its same job dir, with `preemption.resumed()` True when its ranks ran
-  there before;
-- anything else (FAILED, STOPPED, NOT_STARTED): run.
+- stopped before it ended (PREEMPTED by the stop signal; STOPPED by Ctrl-C or SIGTERM;
+  RUNNING when the launcher died with it, kill -9 or a node failure): run in its same job
+  dir, with `preemption.resumed()` True when its ranks ran there before (the job dir's
+  `.hydra/ranks_started` says so: it outlasts a launcher killed with -9);
+- FAILED or NOT_STARTED: run, afresh.
 A FINISHED record (every job completed or failed) is a new run: every job runs again, with
 one line. `true` resumes a record of the same sweep, finished or not (an error if there is
 none); `false` runs every job. What cannot be trusted (a record that cannot be read, a
@@ -39,12 +41,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
+from .._shared.stop_files import RANKS_STARTED_FILE
 from .durable import replace_whole
-from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, Record, strict_json
+from .report import COMPLETED, PREEMPTED, RUNNING, STOPPED, SUMMARY_FILE, JobOutcome, Record, strict_json
 
 log = logging.getLogger(__name__)
 
 RETURN_FILE = Path(".hydra") / "job_return.pkl"
+# jobs stopped before they ended: they continue in their job dir
+_CONTINUING = (PREEMPTED, STOPPED, RUNNING)
 # launcher keys that say how and where the sweep runs, not what a job computes
 _NOT_FINGERPRINTED = (
     "resume",
@@ -76,7 +81,8 @@ class Resumption:
     recorded: Dict[int, JobOutcome] = field(default_factory=dict)
     # completed jobs and their JobReturns, from the record
     completed: Dict[int, JobReturn] = field(default_factory=dict)
-    # preempted jobs: they continue in their job dir
+    # jobs stopped before they ended (preempted, stopped, running when the launcher died):
+    # they continue in their job dir
     preempted: Set[int] = field(default_factory=set)
 
 
@@ -159,7 +165,7 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, 
             returned = load_return(job_dir_of(sweep_dir, outcome), num)
             if returned is not None:
                 found.completed[num] = returned
-        elif outcome.status == PREEMPTED:
+        elif outcome.status in _CONTINUING:
             found.preempted.add(num)
     return found
 
@@ -170,8 +176,11 @@ def job_dir_of(sweep_dir: Path, outcome: JobOutcome) -> Path:
 
 
 def continues_in_place(sweep_dir: Path, outcome: JobOutcome, output_dir: Path) -> bool:
-    """Whether a preempted job resumes: its ranks ran before, in the dir it runs in now."""
-    return outcome.ranks_ran and os.path.relpath(output_dir, sweep_dir) == outcome.subdir
+    """Whether a stopped job resumes: its ranks ran before, in the dir it runs in now (the
+    record says so, or, for a job whose launcher died with it, the mark its ranks left)."""
+    if os.path.relpath(output_dir, sweep_dir) != outcome.subdir:
+        return False
+    return outcome.ranks_ran or (output_dir / RANKS_STARTED_FILE).is_file()
 
 
 def _slurm_restarted(environ: Mapping[str, str]) -> bool:
@@ -187,7 +196,7 @@ def log_resumption(sweep_dir: Path, found: Resumption) -> None:
     log.info(
         f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
         f"{len(done)} completed job(s) come from its record{_listed(done)}, "
-        f"{len(found.preempted)} preempted job(s) continue{_listed(sorted(found.preempted))} "
+        f"{len(found.preempted)} unfinished job(s) continue{_listed(sorted(found.preempted))} "
         "(hydra.launcher.resume=false runs every job again)"
     )
 
