@@ -381,7 +381,15 @@ def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
 
 
-@pytest.mark.parametrize("stop_at, batch", [("0", []), ("1", ["hydra.sweeper.max_batch_size=1"])])
+@pytest.mark.parametrize(
+    "stop_at, batch",
+    [
+        # while the sweeper validates its batch, before the launcher's first launch
+        ("validate", ["hydra.job.config.override_dirname.kv_sep=${stop_at:validate}"]),
+        ("0", []),
+        ("1", ["hydra.sweeper.max_batch_size=1"]),
+    ],
+)
 def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     tmp_path: Path, stop_at: str, batch: List[str]
 ) -> None:
@@ -395,12 +403,12 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     last = stopped.stdout.strip().splitlines()[-1]
     assert last.startswith("[torchrun launcher] SIGUSR2: the sweep was preempted: "), stopped.stdout
     assert "To resume it, run the same command with hydra.sweep.dir=sweep" in last, stopped.stdout
-    done = [] if stop_at == "0" else ["train_a lr=0.1"]
+    done = ["train_a lr=0.1"] if stop_at == "1" else []
     assert _ranks_ran(stopped.stdout) == done, stopped.stdout
 
     resumed = _run(app_dir, *sweep, STOP_AT=stop_at, STOP_ONCE=once)
     assert resumed.returncode == 0, resumed.stdout
-    todo = ["train_a lr=0.1", "train_a lr=0.2"] if stop_at == "0" else ["train_a lr=0.2"]
+    todo = ["train_a lr=0.2"] if stop_at == "1" else ["train_a lr=0.1", "train_a lr=0.2"]
     assert _ranks_ran(resumed.stdout) == todo, resumed.stdout
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
 

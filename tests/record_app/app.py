@@ -7,6 +7,7 @@ goes away: the same sweep, resumed, retries it).
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import helper
@@ -36,12 +37,27 @@ _LAUNCHER_PID = os.getpid()
 def _stop_at(num: str) -> str:
     """Resolved when the launcher composes a job (its env_set): sends the launcher its stop
     signal, once, while it composes job number STOP_AT (as a preemption notice
-    that comes at that moment would)."""
+    that comes at that moment would). `${stop_at:validate}` (in a key Hydra reads as it
+    composes, such as the override_dirname separators) does it while the sweeper validates
+    its first batch, before it launches any."""
     once = Path(os.environ.get("STOP_ONCE", "stopped_once"))
-    if os.getpid() == _LAUNCHER_PID and str(num) == os.environ.get("STOP_AT") and not once.exists():
+    at = os.environ.get("STOP_AT")
+    if at == "validate" and not _validating():
+        return "0"
+    if os.getpid() == _LAUNCHER_PID and str(num) == at and not once.exists():
         once.touch()
         os.kill(os.getpid(), signal.SIGUSR2)
     return "0"
+
+
+def _validating() -> bool:
+    """Whether Hydra's sweeper is validating a batch (composing its jobs) right now."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "validate_batch_is_legal":
+            return True
+        frame = frame.f_back
+    return False
 
 
 OmegaConf.register_new_resolver("stop_at", _stop_at)

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import logging
 import os
-import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
@@ -31,13 +30,13 @@ from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
-from .._shared.signals import ignored_group_signals, signals_named
+from .._shared.signals import ignored_group_signals
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .cluster import resolve_cluster
 from .lock import hold_sweep_lock, holder
 from .node_agreement import agree_on_resumption, waiting_for_nodes
 from .pool import SweepStopped, react_to_stop, run_jobs
-from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
+from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice, sweep_stop_signal
 from .preload import varying_variables
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import dry_run_plan, write_rerun_script
@@ -95,16 +94,17 @@ def launch(
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_key = str(sweep_dir.resolve())
-    dry_run = OmegaConf.select(launcher.config, "hydra.launcher.dry_run", throw_on_resolution_failure=False)
-    # from the first launch on, for the whole sweep: a notice while jobs are composed or
-    # between a sweeper's batches ends the sweep preempted, as one while jobs run does
-    signum = None if dry_run is True else _sweep_stop_signal(launcher.config)
-    notice = launcher.notice = sweep_notice(launcher.notice, signum, launcher.hydra_context.callbacks)
-    if notice.received and launcher.report is not None:
-        launcher.report.interrupted = True
-        launcher.report.write()
-        conf = launcher.config.hydra.launcher
-        _end_preempted(notice, "no job of the next batch had started", sweep_dir, conf)
+    # installed at the launcher's setup, for the whole sweep: a notice while jobs are composed
+    # or between a sweeper's batches ends the sweep preempted, as one while jobs run does
+    notice = launcher.notice = sweep_notice(
+        launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
+    )
+    if notice.received:
+        if launcher.report is not None:
+            launcher.report.interrupted = True
+            launcher.report.write()
+        started = "no job of the next batch had started" if launcher.report else "no job had started"
+        _end_preempted(notice, started, sweep_dir, launcher.config.hydra.launcher)
 
     pickled_task, task_error = pickle_task(launcher.task_function)
     script = app_script(launcher.task_function)
@@ -141,15 +141,6 @@ def launch(
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
     return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
-
-
-def _sweep_stop_signal(config: DictConfig) -> Optional[int]:
-    """The sweep's `stop_signal` before any job is composed; None when it is off or not one
-    signal (each job's check then refuses it, naming the job)."""
-    raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
-    named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
-    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
-    return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
 def _run_plans(
