@@ -413,6 +413,14 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
 
 
+def test_sigusr1_as_the_stop_signal_is_taken_with_one_warning(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.launcher.stop_signal=SIGUSR1")
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.count("hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1") == 1, result.stdout
+    assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
+
+
 @pytest.mark.parametrize("key", ["job_timeout", "stop_timeout"])
 def test_an_infinite_timeout_is_refused_in_one_line(tmp_path: Path, key: str) -> None:
     app_dir = _install(tmp_path, RECORD_APP)

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
@@ -131,6 +132,12 @@ def launch(
         notes.add(note)
     for note in sorted(n for n in notes if n):
         log.info(note)
+    if plans and plans[0].payload.stop_signal == signal.SIGUSR1:
+        log.warning(
+            "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1 in the ranks' processes for "
+            "its own debugging dumps (NCCL_PROXY_DUMP_SIGNAL, torch's NCCL flight recorder); "
+            "SIGUSR2 is the stop signal nothing else uses"
+        )
     if not plans:
         return []
     parallel_jobs, devices = _sweep_wide(plans)
