@@ -19,6 +19,7 @@ from typing import List
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 
 from tests.conftest import assert_gone, wait_for
 
@@ -88,27 +89,24 @@ def test_rerun_sh_and_the_torchrun_line_reproduce_the_job_and_run_no_config_valu
     hydra_yaml = (rerun_dir / "0" / ".hydra" / "hydra.yaml").read_text()
     assert "config_name: single" in hydra_yaml, hydra_yaml
     assert (rerun_dir / "0" / "rank1.txt").read_text() == "2 job0 0.5\n"
-    note_value = (rerun_dir / "0" / ".hydra" / "config.yaml").read_text()
-    assert "touch" in note_value, note_value  # the value itself reached the task, as data
+    note_value = OmegaConf.load(rerun_dir / "0" / ".hydra" / "config.yaml").note
+    assert note_value == f"x\ntouch {pwned} #", note_value  # the value itself reached the task, as data
 
-    # the plain torchrun line of the header: Hydra's run mode in every rank, the same config
-    line = next(line for line in header if "torchrun --nnodes" in line)
-    command = shlex.split(line.lstrip("# "))
+    # the plain torchrun line of the header, pasted into bash as it is: Hydra's run mode in every
+    # rank, the same config, the value with its newline exactly (bash's $'...' keeps it one line)
+    line = next(line for line in header if "torchrun --nnodes" in line).lstrip("# ")
+    command = shlex.split(line.replace("$'", "'"))  # what the line holds, roughly, to check flags
     assert "--config-name=single" in command and "hydra.mode=RUN" in command, command
     for rank in (0, 1):
         (job_dir / f"rank{rank}.txt").unlink()
     torchrun = subprocess.run(
-        [c.replace("\\n", "\n") for c in command],
-        cwd=app_dir,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ["bash", "-c", line], cwd=app_dir, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     assert not pwned.exists()
     for rank in (0, 1):
         assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"
+    assert OmegaConf.load(job_dir / ".hydra" / "config.yaml").note == f"x\ntouch {pwned} #"
     # no nested sweep started in the job dir
     assert not list(job_dir.glob("*/rank0.txt")), list(job_dir.iterdir())
 
@@ -417,7 +415,8 @@ def test_sigusr1_as_the_stop_signal_is_taken_with_one_warning(tmp_path: Path) ->
     app_dir = _install(tmp_path, RECORD_APP)
     result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.launcher.stop_signal=SIGUSR1")
     assert result.returncode == 0, result.stdout
-    assert result.stdout.count("hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1") == 1, result.stdout
+    warning = "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1"
+    assert result.stdout.count(warning) == 1, result.stdout
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
 
 
