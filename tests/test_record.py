@@ -182,6 +182,19 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     assert [j["return_value"] for j in _summary(app_dir / "sweep")] == [10.0, 20.0]
 
 
+def test_a_module_the_task_imports_as_it_runs_counts_in_what_it_computes(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1"]
+    assert _run(app_dir, *sweep, TASK="c").returncode == 0
+    same = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    assert same.returncode == 0 and "1 completed job(s) come from its record (#0)" in same.stdout, same.stdout
+    late = app_dir / "late_helper.py"
+    late.write_text(late.read_text().replace("lr + 1", "lr + 2"))
+    changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    assert changed.returncode == 1, changed.stdout
+    assert "records another sweep (job #0's task code" in _error(changed.stdout), changed.stdout
+
+
 def test_the_summary_describes_the_sweep_that_ran_in_strict_json(tmp_path: Path) -> None:
     app_dir = _install(tmp_path, RECORD_APP)
     assert _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3").returncode == 0

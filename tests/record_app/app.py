@@ -1,6 +1,7 @@
 """A one-rank app whose sweeps the record tests run twice, changing one thing in between.
 
-The task is chosen by TASK (`a` or `b`: two functions of this file), calls the project's
+The task is chosen by TASK (`a`, `b` or `c`: functions of this file; `c` imports a module of
+the project inside its body), calls the project's
 own `helper` module, and fails on the job whose lr equals FAIL_AT (an outside cause that
 goes away: the same sweep, resumed, retries it).
 """
@@ -29,6 +30,13 @@ def train_a(cfg: DictConfig) -> float:
 def train_b(cfg: DictConfig) -> float:
     print(f"rank {os.environ['RANK']}: train_b lr={cfg.lr}", flush=True)
     return -helper.scale(cfg.lr)
+
+
+def train_c(cfg: DictConfig) -> float:
+    from late_helper import shift  # imported as the task runs, not when the app starts
+
+    print(f"rank {os.environ['RANK']}: train_c lr={cfg.lr}", flush=True)
+    return shift(cfg.lr)
 
 
 _LAUNCHER_PID = os.getpid()
@@ -62,7 +70,7 @@ def _validating() -> bool:
 
 OmegaConf.register_new_resolver("stop_at", _stop_at)
 
-TASK = {"a": train_a, "b": train_b}[os.environ.get("TASK", "a")]
+TASK = {"a": train_a, "b": train_b, "c": train_c}[os.environ.get("TASK", "a")]
 
 if __name__ == "__main__":
     hydra.main(**VERSION_BASE, config_path=".", config_name="config")(TASK)()

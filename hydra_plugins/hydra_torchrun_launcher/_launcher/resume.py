@@ -22,6 +22,7 @@ none); `false` runs every job. What cannot be trusted (a record that cannot be r
 truncated or foreign pickle) runs again, with one line.
 """
 
+import dis
 import hashlib
 import inspect
 import json
@@ -224,7 +225,8 @@ def task_digest(task_function: Any) -> str:
             continue
         _digest_value(digest, value)
     _digest_value(digest, (getattr(target, "__defaults__", None), getattr(target, "__kwdefaults__", None)))
-    for name, path in _project_modules(_source_file(target)):
+    task_file = _source_file(target)
+    for name, path in _project_modules(task_file, _imported_by(code) if code is not None else set()):
         digest.update(f"\n{name}\n".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -258,14 +260,56 @@ def _digest_value(digest: Any, value: Any) -> None:
     digest.update(data)
 
 
-def _project_modules(task_file: Optional[str]) -> List["tuple[str, Path]"]:
-    """The imported modules whose source lies below the task's directory (the app and the
-    project's own modules), not those of installed packages or of Python itself."""
+def _imported_by(code: Any) -> Set[str]:
+    """The modules the task's own code imports as it runs (`import x.y`, `from x import y`:
+    `x`, `x.y`), its nested functions' included; read from the bytecode, nothing imported.
+    Relative imports are left out: a script's task has no package to be relative to."""
+    names: Set[str] = set()
+    module = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "IMPORT_NAME":
+            module = str(instruction.argval)
+            names.add(module)
+        elif instruction.opname == "IMPORT_FROM" and module:
+            names.add(f"{module}.{instruction.argval}")
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _imported_by(const)
+    return names
+
+
+def _module_file(name: str, roots: Sequence[str]) -> Optional[str]:
+    """Where module `name` would be found below one of `roots` (the import path's entries
+    below the task's directory), without importing it; None when it is not there."""
+    relative = os.path.join(*name.split("."))
+    for root in roots:
+        for candidate in (relative + ".py", os.path.join(relative, "__init__.py")):
+            path = os.path.join(root, candidate)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _project_modules(
+    task_file: Optional[str], imported_later: Iterable[str] = ()
+) -> List["tuple[str, Path]"]:
+    """The modules whose source lies below the task's directory (the app and the project's
+    own modules), not those of installed packages or of Python itself: those imported now,
+    and those of `imported_later` (imported by the task's body as it runs) found there."""
     if task_file is None:
         return []
     root = os.path.dirname(task_file) + os.sep
     installed = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     found = []
+    roots = [
+        entry
+        for entry in (os.path.abspath(e or os.curdir) for e in sys.path)
+        if os.path.join(entry, "").startswith(root) and not os.path.join(entry, "").startswith(installed)
+    ]
+    for name in sorted(set(imported_later) - set(sys.modules)):
+        path = _module_file(name, roots)
+        if path is not None and "site-packages" not in path.split(os.sep):
+            found.append((name, Path(path)))
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py"):
