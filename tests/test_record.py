@@ -157,20 +157,31 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     assert nothing.returncode == 0 and "Nothing to launch: all 2 jobs come from the record" in nothing.stdout
     assert "Launching" not in nothing.stdout and not _ranks_ran(nothing.stdout), nothing.stdout
 
-    # whatever shapes what a job computes makes it another sweep: resume=true refuses it
+    # whatever shapes what a job computes makes it another sweep: resume=true refuses it, naming it
     helper = app_dir / "helper.py"
     changes = [
-        ({}, ["hydra.launcher.nproc_per_node=2"]),
-        ({}, ["hydra.job.env_set.SEED=2"]),
-        ({"DATASET": "imagenet"}, []),
-        ({"TASK": "b"}, []),
+        ({}, ["hydra.launcher.nproc_per_node=2"], "launcher settings"),
+        ({}, ["hydra.job.env_set.SEED=2"], "env_set"),
+        ({"DATASET": "imagenet"}, [], "environment variables the config reads"),
+        ({"TASK": "b"}, [], "task code"),
     ]
-    for env, extra in changes:
+    for env, extra, part in changes:
         changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", *extra, **env)
         assert changed.returncode == 1, (env, extra, changed.stdout)
         assert _error(changed.stdout).startswith(
-            "hydra.launcher.resume=true: sweep/sweep_summary.json records another sweep (job #0's task code, "
+            "hydra.launcher.resume=true: sweep/sweep_summary.json records another sweep "
+            f"(job #0's {part} changed)"
         ), (env, extra, changed.stdout)
+    # what only shows or starts the ranks differently is the same sweep
+    shown = [
+        "hydra.launcher.tee=0",
+        "hydra.launcher.start_method=spawn",
+        "hydra.launcher.monitor_interval=0.2",
+    ]
+    same = _run(app_dir, *sweep, "hydra.launcher.resume=true", *shown)
+    assert same.returncode == 0 and "Nothing to launch: all 2 jobs come from the record" in same.stdout, (
+        same.stdout
+    )
     helper.write_text(helper.read_text().replace("lr * 10", "lr * 100"))
     changed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
     assert changed.returncode == 1 and "records another sweep (job #0's task code" in changed.stdout
@@ -182,17 +193,27 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     assert [j["return_value"] for j in _summary(app_dir / "sweep")] == [10.0, 20.0]
 
 
-def test_a_module_the_task_imports_as_it_runs_counts_in_what_it_computes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "task, edited, old, new",
+    [
+        ("c", "late_helper.py", "lr + OFFSET", "lr + 2 * OFFSET"),  # imported inside the task's body
+        ("c", "deeper.py", "OFFSET = 1", "OFFSET = 2"),  # imported by that module in turn
+        ("d", "models.py", "lr * self.factor", "lr * self.factor * 2"),  # named by a _target_
+    ],
+)
+def test_a_module_the_task_reaches_as_it_runs_counts_in_what_it_computes(
+    tmp_path: Path, task: str, edited: str, old: str, new: str
+) -> None:
     app_dir = _install(tmp_path, RECORD_APP)
     sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1"]
-    assert _run(app_dir, *sweep, TASK="c").returncode == 0
-    same = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    assert _run(app_dir, *sweep, TASK=task).returncode == 0
+    same = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK=task)
     assert same.returncode == 0 and "1 completed job(s) come from its record (#0)" in same.stdout, same.stdout
-    late = app_dir / "late_helper.py"
-    late.write_text(late.read_text().replace("lr + 1", "lr + 2"))
-    changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    path = app_dir / edited
+    path.write_text(path.read_text().replace(old, new))
+    changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK=task)
     assert changed.returncode == 1, changed.stdout
-    assert "records another sweep (job #0's task code" in _error(changed.stdout), changed.stdout
+    assert "records another sweep (job #0's task code changed)" in _error(changed.stdout), changed.stdout
 
 
 def test_the_summary_describes_the_sweep_that_ran_in_strict_json(tmp_path: Path) -> None:

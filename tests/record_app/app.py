@@ -1,7 +1,7 @@
 """A one-rank app whose sweeps the record tests run twice, changing one thing in between.
 
-The task is chosen by TASK (`a`, `b` or `c`: functions of this file; `c` imports a module of
-the project inside its body), calls the project's
+The task is chosen by TASK (`a` to `d`: functions of this file; `c` imports a module of the
+project inside its body, `d` instantiates a class of the project the config names), calls the project's
 own `helper` module, and fails on the job whose lr equals FAIL_AT (an outside cause that
 goes away: the same sweep, resumed, retries it).
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 import helper
 import hydra
 import hydra.errors
+import hydra.utils
 from omegaconf import DictConfig, OmegaConf
 
 # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
@@ -37,6 +38,11 @@ def train_c(cfg: DictConfig) -> float:
 
     print(f"rank {os.environ['RANK']}: train_c lr={cfg.lr}", flush=True)
     return shift(cfg.lr)
+
+
+def train_d(cfg: DictConfig) -> float:
+    print(f"rank {os.environ['RANK']}: train_d lr={cfg.lr}", flush=True)
+    return hydra.utils.instantiate(cfg.model)(cfg.lr)
 
 
 _LAUNCHER_PID = os.getpid()
@@ -70,7 +76,7 @@ def _validating() -> bool:
 
 OmegaConf.register_new_resolver("stop_at", _stop_at)
 
-TASK = {"a": train_a, "b": train_b, "c": train_c}[os.environ.get("TASK", "a")]
+TASK = {"a": train_a, "b": train_b, "c": train_c, "d": train_d}[os.environ.get("TASK", "a")]
 
 if __name__ == "__main__":
     hydra.main(**VERSION_BASE, config_path=".", config_name="config")(TASK)()

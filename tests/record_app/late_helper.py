@@ -1,5 +1,7 @@
 """A project module that the task imports only as it runs (inside its body)."""
 
+from deeper import OFFSET
+
 
 def shift(lr: float) -> float:
-    return lr + 1
+    return lr + OFFSET

@@ -49,6 +49,7 @@ from .resume import (
     read_record,
     resumption,
     save_return,
+    targets_digest,
     task_digest,
 )
 from .settings import check_node_rank, resolve_settings
@@ -126,7 +127,9 @@ def launch(
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
                 raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
-        plan.fingerprint = fingerprint(task, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
+        # with the project's modules that the job's `_target_`s name (instantiate imports them later)
+        code = task + targets_digest(launcher.task_function, plan.payload.task_cfg)
+        plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
         plans.append(plan)
         configs[plan.idx] = config
         notes.add(note)

@@ -22,6 +22,7 @@ none); `false` runs every job. What cannot be trusted (a record that cannot be r
 truncated or foreign pickle) runs again, with one line.
 """
 
+import ast
 import dis
 import hashlib
 import inspect
@@ -69,6 +70,29 @@ _NOT_FINGERPRINTED = (
     "master_port",
     "local_addr",
     "node_rank",
+    # what the console and the log files show, and how the ranks are started and stopped
+    "tee",
+    "redirects",
+    "local_ranks_filter",
+    "log_dir",
+    "logs_specs",
+    "log_line_prefix_template",
+    "event_log_handler",
+    "duplicate_stdout_filters",
+    "duplicate_stderr_filters",
+    "monitor_interval",
+    "shutdown_timeout",
+    "signals_to_handle",
+    "start_method",
+    "launch_prefix",
+)
+# what a fingerprint is made of, in its order: a record names the parts that changed
+_FINGERPRINT_PARTS = (
+    "task code",
+    "config",
+    "launcher settings",
+    "env_set",
+    "environment variables the config reads",
 )
 # `${oc.env:NAME}` (and Hydra's older `${env:NAME}`) in a config: the values it reads count
 _ENV_READ = re.compile(r"\$\{(?:oc\.env|env):\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
@@ -115,11 +139,18 @@ def same_sweep(jobs: Sequence[Any], record: Record) -> Optional[str]:
         if list(outcome.overrides) != list(job.overrides):
             return f"its job #{job.idx} had other overrides ({' '.join(outcome.overrides) or 'none'})"
         if outcome.fingerprint != job.fingerprint:
-            return (
-                f"job #{job.idx}'s task code, config, launcher settings, env_set or environment "
-                "variables the config reads changed"
-            )
+            changed = " and ".join(changed_parts(outcome.fingerprint, job.fingerprint))
+            return f"job #{job.idx}'s {changed} changed"
     return None
+
+
+def changed_parts(recorded: str, now: str) -> List[str]:
+    """The parts of a job's fingerprint (`_FINGERPRINT_PARTS`) that differ; all of them for a
+    record whose fingerprint has no parts to compare."""
+    old, new = recorded.split("-"), now.split("-")
+    if len(old) != len(new) or len(new) != len(_FINGERPRINT_PARTS):
+        return [", ".join(_FINGERPRINT_PARTS[:-1]) + " or " + _FINGERPRINT_PARTS[-1]]
+    return [part for part, a, b in zip(_FINGERPRINT_PARTS, old, new) if a != b]
 
 
 def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, first: bool) -> Resumption:
@@ -278,6 +309,60 @@ def _imported_by(code: Any) -> Set[str]:
     return names
 
 
+def _imports_in_file(path: str) -> Set[str]:
+    """The modules a source file imports (absolute imports: `x`, `x.y`), read, not run."""
+    try:
+        tree = ast.parse(Path(path).read_bytes(), filename=path)
+    except (SyntaxError, ValueError):  # not Python that parses here: its bytes count all the same
+        return set()
+    names: Set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def config_targets(task_cfg: DictConfig) -> Set[str]:
+    """The modules that the config's `_target_`s name (`models.Net` -> `models`,
+    `models.Net`): what Hydra's `instantiate` imports when the task runs."""
+    names: Set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            target = node.get("_target_")
+            if isinstance(target, str):
+                parts = target.split(".")
+                names.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(OmegaConf.to_container(task_cfg, resolve=False))
+    return names
+
+
+def targets_digest(task_function: Any, task_cfg: DictConfig) -> str:
+    """The project's modules (below the task's dir) that the config's `_target_`s name and
+    the task has not imported yet, digested; "" when there are none."""
+    target = task_function
+    while hasattr(target, "func") and hasattr(target, "args"):  # functools.partial
+        target = target.func
+    task_file = _source_file(inspect.unwrap(target))
+    modules = [m for m in _project_modules(task_file, config_targets(task_cfg)) if m[0] not in sys.modules]
+    if not modules:
+        return ""
+    digest = hashlib.sha1()
+    for name, path in modules:
+        digest.update(f"\n{name}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def _module_file(name: str, roots: Sequence[str]) -> Optional[str]:
     """Where module `name` would be found below one of `roots` (the import path's entries
     below the task's directory), without importing it; None when it is not there."""
@@ -306,10 +391,18 @@ def _project_modules(
         for entry in (os.path.abspath(e or os.curdir) for e in sys.path)
         if os.path.join(entry, "").startswith(root) and not os.path.join(entry, "").startswith(installed)
     ]
-    for name in sorted(set(imported_later) - set(sys.modules)):
+    # not imported yet: found below the task's dir, with what they import in turn
+    todo, seen = sorted(set(imported_later) - set(sys.modules)), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
         path = _module_file(name, roots)
-        if path is not None and "site-packages" not in path.split(os.sep):
-            found.append((name, Path(path)))
+        if path is None or "site-packages" in path.split(os.sep):
+            continue
+        found.append((name, Path(path)))
+        todo.extend(sorted(_imports_in_file(path) - set(sys.modules) - seen))
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py"):
@@ -325,16 +418,23 @@ def _project_modules(
 
 
 def fingerprint(task: str, task_cfg: DictConfig, settings: Any, env_set: Mapping[str, str]) -> str:
-    """What a job computes: the task's digest (`task_digest`), its config as composed,
-    unresolved (so that `${now:}` and the like do not make a requeued run another job), the
-    values of the environment variables that config reads (`oc.env`), the launcher's
-    settings (`settings`: the job's TorchrunLauncherConf, but for how and where the sweep
-    runs) and env_set (resolved)."""
+    """What a job computes, a short digest per part (`_FINGERPRINT_PARTS`, joined by `-`, so
+    that a record can say which part changed): the task's digest (`task_digest`), its config
+    as composed, unresolved (so that `${now:}` and the like do not make a requeued run another
+    job), the launcher's settings (`settings`: the job's TorchrunLauncherConf, but for how and
+    where the sweep runs and what it shows), env_set (resolved), and the values of the
+    environment variables that config reads (`oc.env`)."""
     text = OmegaConf.to_yaml(task_cfg, resolve=False)
     read = {name: os.environ.get(name) for name in sorted(set(_ENV_READ.findall(text)))}
     launcher = {k: v for k, v in asdict(settings).items() if k not in _NOT_FINGERPRINTED}
-    other = json.dumps([read, launcher, dict(sorted(env_set.items()))], sort_keys=True, default=repr)
-    return hashlib.sha1(f"{task}\n{text}\n{other}".encode()).hexdigest()[:16]
+    parts = [
+        task,
+        text,
+        json.dumps(launcher, sort_keys=True, default=repr),
+        json.dumps(dict(sorted(env_set.items())), sort_keys=True),
+        json.dumps(read, sort_keys=True),
+    ]
+    return "-".join(hashlib.sha1(part.encode()).hexdigest()[:8] for part in parts)
 
 
 def _listed(nums: Iterable[int]) -> str:
