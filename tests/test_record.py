@@ -358,6 +358,7 @@ def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: P
         app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.sweep.subdir=job_${hydra.job.num}"
     ).end()
     assert code == 0, out
+    assert "0 unfinished job(s) continue, 1 run afresh (#1)" in out, out
     assert "resumed" not in out.split("\t#1 : lr=0.2")[1], out
     assert "[default0]:rank 0: done, 6 steps from 0" in out, out
 
@@ -383,6 +384,20 @@ def test_a_job_stopped_in_its_callback_is_not_resumed(tmp_path: Path) -> None:
     ).end()
     assert code == 0, out
     assert "resumed" not in out and "[default0]:rank 0: done, 6 steps from 0" in out, out
+
+
+def test_a_completed_jobs_value_comes_from_its_kept_return_not_from_the_summary(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1"]
+    assert _run(app_dir, *sweep).returncode == 0
+    path = app_dir / "sweep" / "sweep_summary.json"
+    record = json.loads(path.read_text())
+    record["jobs"][0]["return_value"] = 999
+    path.write_text(json.dumps(record))
+    resumed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert resumed.returncode == 0, resumed.stdout
+    assert "#0 : lr=0.1 : COMPLETED in an earlier run, returned 1.0" in resumed.stdout, resumed.stdout
+    assert [job["return_value"] for job in _summary(app_dir / "sweep")] == [1.0]
 
 
 def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:

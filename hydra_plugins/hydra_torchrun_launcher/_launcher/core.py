@@ -204,12 +204,12 @@ def _run_plans(
             _end_preempted(notice, agreeing, sweep_dir, conf)
         react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
         raise SweepStopped(stopped.signum) from None
-    log_resumption(sweep_dir, resumed)
     for plan in plans:
         # where its ranks ran before: a checkpoint may be there
         plan.resumed = plan.idx in resumed.preempted and continues_in_place(
             sweep_dir, resumed.recorded[plan.idx], plan.output_dir
         )
+    log_resumption(sweep_dir, resumed, {plan.idx for plan in plans if plan.resumed})
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     server = checked_warm_server(preload, varying_variables(plans)) if to_run else None
@@ -230,7 +230,12 @@ def _run_plans(
             )
         )
 
-    report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
+    report.launching(
+        plans,
+        done=sorted(resumed.completed),
+        preempted=sorted(resumed.preempted),
+        returned={num: ret.return_value for num, ret in resumed.completed.items()},
+    )
 
     def on_start(plan: JobPlan, job_devices: Optional[List[str]]) -> None:
         on = f" on devices {','.join(job_devices)}" if job_devices is not None else ""

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
@@ -99,11 +99,18 @@ class SweepReport:
         self._to_run: List[int] = []
         self._ended: List[int] = []
 
-    def launching(self, jobs: Sequence[Any], done: Sequence[int] = (), preempted: Sequence[int] = ()) -> None:
+    def launching(
+        self,
+        jobs: Sequence[Any],
+        done: Sequence[int] = (),
+        preempted: Sequence[int] = (),
+        returned: Optional[Mapping[int, Any]] = None,
+    ) -> None:
         """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`; those of
         `done` completed in an earlier run, those of `preempted` were stopped in one: their
         outcome stays the record's until they end in this run (killed before, they still
-        resume)."""
+        resume). `returned`: the return values of `done` jobs as their kept JobReturns hold
+        them (what the sweeper gets), shown and written in place of the summary's copy."""
         self._batch = [job.idx for job in jobs]
         self._to_run = [job.idx for job in jobs if job.idx not in done]
         self._ended = []
@@ -113,6 +120,8 @@ class SweepReport:
                 # as recorded, where this sweep dir is now
                 recorded = self.recorded.jobs[job.idx]
                 outcome = dataclasses.replace(recorded, job_dir=str(job.output_dir), subdir=subdir)
+                if returned is not None and job.idx in returned:
+                    outcome.return_value = _json_or_repr(returned[job.idx])
             else:
                 outcome = JobOutcome(
                     job.idx,

@@ -220,15 +220,19 @@ def _slurm_restarted(environ: Mapping[str, str]) -> bool:
     return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
 
 
-def log_resumption(sweep_dir: Path, found: Resumption) -> None:
-    """One line when the launch resumes a recorded sweep: what comes from the record."""
+def log_resumption(sweep_dir: Path, found: Resumption, in_place: Set[int]) -> None:
+    """One line when the launch resumes a recorded sweep: what comes from the record, which
+    unfinished jobs continue in their job dir (`in_place`: their ranks ran there), and which
+    run afresh (their ranks never ran, or their job dir is another now)."""
     if not found.recorded:
         return
     done = sorted(found.completed)
+    afresh = sorted(found.preempted - in_place)
+    again = f", {len(afresh)} run afresh{_listed(afresh)}" if afresh else ""
     log.info(
         f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
         f"{len(done)} completed job(s) come from its record{_listed(done)}, "
-        f"{len(found.preempted)} unfinished job(s) continue{_listed(sorted(found.preempted))} "
+        f"{len(in_place)} unfinished job(s) continue{_listed(sorted(in_place))}{again} "
         "(hydra.launcher.resume=false runs every job again)"
     )
 
