@@ -194,7 +194,7 @@ def test_rerun_script_runs_one_job_again_outside_its_sweep(tmp_path: Path) -> No
     text = script.read_text()
     assert "# Job #1 of the sweep in sweep: lr=0.2 hold=0.1" in text
     assert re.search(
-        r"#     env TAG=job1 torchrun --nnodes=1 --nproc-per-node=2 .* app.py lr=0.2 hold=0.1 ", text
+        r"#     cd .* && env TAG=job1 torchrun --nnodes=1 --nproc-per-node=2 .* app.py lr=0.2 hold=0.1 ", text
     )
 
     # from anywhere, with one more override

@@ -99,8 +99,8 @@ def test_rerun_sh_and_the_torchrun_line_reproduce_the_job_and_run_no_config_valu
     assert "--config-name=single" in command and "hydra.mode=RUN" in command, command
     for rank in (0, 1):
         (job_dir / f"rank{rank}.txt").unlink()
-    torchrun = subprocess.run(
-        ["bash", "-c", line], cwd=app_dir, env=_env(), capture_output=True, text=True, timeout=300
+    torchrun = subprocess.run(  # pasted anywhere: the line goes where the sweep started
+        ["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     assert not pwned.exists()
@@ -562,7 +562,7 @@ def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path)
     line, cannot = _torchrun_line(result.stdout)
     assert " --no-python env TAG=prefixed " in line and not cannot, line
     run = subprocess.run(
-        shlex.split(line), cwd=app_dir, env=_env(), capture_output=True, text=True, timeout=300
+        ["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stdout + run.stderr
     # the job ran through its prefix, in its job dir (Hydra's run mode applies env_set itself)

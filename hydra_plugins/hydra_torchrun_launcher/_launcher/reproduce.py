@@ -210,11 +210,13 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
 def plain_torchrun_line(
     plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
 ) -> Tuple[str, List[str]]:
-    """The job as a shell line of plain torchrun, the environment the job adds in front (and,
-    for a training script, the job dir it runs in); and what the line cannot express."""
+    """The job as a shell line of plain torchrun, the environment the job adds in front, run
+    where the sweep started (a training script: in its job dir); and what the line cannot
+    express."""
     conf = plan.settings.conf
     env = job_environment(plan, devices)
-    cd = ""
+    # the app's script, and a relative --config-path, are found from where the sweep started
+    cd = f"cd {bash_word(plan.launch_dir)} && " if conf.training_script is None else ""
     if conf.training_script is not None:
         job_dir = bash_word(str(plan.output_dir))
         cd = f"mkdir -p {job_dir} && cd {job_dir} && "
