@@ -40,11 +40,8 @@ def native_threads() -> int:
         return 1
 
 
-def fork_hazard(baseline_threads: int) -> Optional[str]:
-    """Why the launcher cannot be forked now (one phrase), or None.
-
-    `baseline_threads`: the threads a fresh server had after the same imports.
-    """
+def fork_hazard() -> Optional[str]:
+    """Why the launcher cannot be forked now, whatever it imported (one phrase), or None."""
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if others:
         return f"a Python thread {others[0]!r} is running in the launcher"
@@ -54,10 +51,18 @@ def fork_hazard(baseline_threads: int) -> Optional[str]:
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
         return "CUDA is initialised in the launcher"
+    return None
+
+
+def thread_hazard(baseline_threads: int) -> Optional[str]:
+    """Why the launcher's native threads forbid a fork (one phrase), or None.
+
+    `baseline_threads`: the threads a fresh server had after the same imports.
+    """
     running = native_threads()
     if running > baseline_threads:
         return (
-            f"{running - 1} native threads run besides the launcher's main thread, a fresh import "
+            f"{running - 1} native threads run besides the launcher's main thread, where a fresh import "
             f"of its packages starts {baseline_threads - 1} (torch's intra-op pool, OpenMP?)"
         )
     return None

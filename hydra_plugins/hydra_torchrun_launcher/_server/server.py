@@ -40,6 +40,7 @@ from .fork import (
     library_roots,
     native_threads,
     site_package_roots,
+    thread_hazard,
 )
 from .remembered import modules_of, recall, remember
 from .watch import watched_import
@@ -463,9 +464,12 @@ def _fork_from(preload: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
     None, with one line saying why the server starts fresh."""
     import logging
 
-    remembered, why = recall(preload)
+    why = fork_hazard()
+    remembered = None
+    if why is None:
+        remembered, why = recall(preload)
     if remembered is not None:
-        why = fork_hazard(int(remembered["threads"])) or ""
+        why = thread_hazard(int(remembered["threads"]))
     if not why:
         return remembered
     logging.getLogger(__name__).info(f"the warm server starts as a fresh interpreter: {why}")
