@@ -116,7 +116,9 @@ def _write_app(tmp_path: Path) -> Path:
     return tmp_path / "app.py"
 
 
-def _run(tmp_path: Path, sweep: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> str:
+def _run(
+    tmp_path: Path, sweep: str, mode: str, monkeypatch: pytest.MonkeyPatch, start_method: str = "forkserver"
+) -> str:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("FORK_TEST_MODE", mode)
     result = run_app(
@@ -125,6 +127,7 @@ def _run(tmp_path: Path, sweep: str, mode: str, monkeypatch: pytest.MonkeyPatch)
             "-m",
             "hydra/launcher=torchrun",
             "hydra.launcher.nproc_per_node=2",
+            f"hydra.launcher.start_method={start_method}",
             "hydra.job.chdir=true",
             f"hydra.sweep.dir={sweep}",
             "+x=0",
@@ -148,17 +151,21 @@ def _forked(record: Dict[str, Any]) -> bool:
     return sum("app.py" in cmdline for cmdline in record["ancestors"]) > 1
 
 
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_a_forked_server_hands_a_job_nothing_of_the_launchers_state(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_method: str
 ) -> None:
+    """forkserver: a rank runs the script body unless its `__main__` is that script already;
+    spawn: a spawned rank runs the main module its job process has. A forked server's job
+    process has a fresh interpreter's `__main__`, not the launcher's app."""
     _write_app(tmp_path)
-    first = _run(tmp_path, "first", "", monkeypatch)
+    first = _run(tmp_path, "first", "", monkeypatch, start_method)
     assert [line.split(FRESH)[1] for line in _launcher_lines(first)] == [
         "the imports of the app's packages have not been watched yet (this run does)"
     ], first
     assert not any(_forked(record) for record in _records(tmp_path, "first"))
 
-    second = _run(tmp_path, "second", "", monkeypatch)
+    second = _run(tmp_path, "second", "", monkeypatch, start_method)
     assert _launcher_lines(second) == [], second
     for record in _records(tmp_path, "second"):
         assert _forked(record), record["ancestors"]

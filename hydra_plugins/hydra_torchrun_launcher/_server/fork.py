@@ -95,7 +95,9 @@ def site_package_roots() -> Tuple[str, ...]:
 
 def library_roots(site_roots: Iterable[str]) -> Tuple[str, ...]:
     """Where installed packages and the standard library live, each ending in a separator."""
-    paths = {*site_roots, *(p for p in sysconfig.get_paths().values())}
+    # not sysconfig's "data" or "scripts": the prefix itself, under which an app may live
+    libraries = ("stdlib", "platstdlib", "purelib", "platlib")
+    paths = {*site_roots, *(sysconfig.get_paths()[name] for name in libraries)}
     return tuple(os.path.join(os.path.realpath(p), "") for p in paths) + tuple(
         os.path.join(p, "") for p in paths
     )

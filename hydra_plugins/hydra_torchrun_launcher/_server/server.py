@@ -244,8 +244,8 @@ def _preload(
             for sub in (also or {}).get(name, []):
                 try:
                     sub_reads, sub_threads, sub_touched = watched_import(sub)
-                except ImportError:  # not importable by its name: left out of the report's modules,
-                    continue  # so no later run forks the launcher with it (`_server.remembered`)
+                except Exception:  # not importable by its name here: left out of the report's
+                    continue  # modules, so no later run forks the launcher with it (`_server.remembered`)
                 for module, keys in sub_reads.items():
                     reads[name][module] = sorted({*reads[name].get(module, []), *keys})
                 threads, touched = [*threads, *sub_threads], [*touched, *sub_touched]
