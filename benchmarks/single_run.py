@@ -27,12 +27,18 @@ into a sweep dir would resume instead of running).
 
     python benchmarks/single_run.py [--rounds 5] [--cases lightning,trivial,sweep] [--compare-with DIR]
 
-Measured on a 2-core machine shared with other work (load average 4 to 8 while it ran),
-CPU torch 2.13, Lightning 2.6.6, 5 rounds, medians in seconds (ratio to torchrun), against
-the revision before the forked warm server (`other`):
+Measured on a 2-core machine heavily shared with other work (1-min load average 8 to 16
+at round starts: every command ran several times slower than alone, so compare within a
+row), CPU torch 2.13, Lightning 2.6.6, 5 rounds, medians in seconds (ratio to torchrun);
+`other` is the revision before the warm server could be a fork of the launcher:
 
-    case        torchrun    launcher          cold              other (before)
-    (figures: see the report of the change that added this benchmark)
+    case        torchrun        launcher        cold            other (before)
+    lightning    34.03 (1.00)   23.82 (0.70)    38.40 (1.13)    43.88 (1.29)
+    trivial      17.69 (1.00)   18.16 (1.03)    17.09 (0.97)    17.08 (0.97)
+    sweep       158.82 (1.00)   25.01 (0.16)    45.10 (0.28)    44.87 (0.28)
+
+The trivial app imports no package at module level (its ranks import torch): there is no
+second import to save, and its rows differ by noise only.
 """
 
 import argparse
