@@ -99,7 +99,12 @@ def _serve_forked(sock: socket.socket) -> None:
         _scan_plugins()
         _serve_jobs(sock)
         code = 0
+    except BaseException:  # the launcher reports the exit status; the cause goes to its stderr
+        import traceback
+
+        traceback.print_exc()
     finally:
+        sys.stderr.flush()
         os._exit(code)
 
 
