@@ -121,6 +121,24 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     assert told[said + 2] == its_output, end
 
 
+def test_a_one_job_launch_ends_with_its_table_too(tmp_path: Path) -> None:
+    """A single distributed run (a one-job multirun) ends as every launch does: the tally,
+    the summary file and the job's row, which names its job dir."""
+    app_dir = _install(tmp_path)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1")
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    tally = next(
+        i for i, line in enumerate(lines) if HYDRA_LINE.match(line) and "1 jobs: 1 completed" in line
+    )
+    assert lines[tally].endswith("(summary: sweep/sweep_summary.json)"), result.stdout
+    assert lines[tally + 1].split() == ["#", "status", "time", "overrides", "result", "job", "dir"], (
+        result.stdout
+    )
+    row = lines[tally + 2].split()
+    assert row[:2] == ["0", "COMPLETED"] and row[3] == "lr=0.1" and row[-1] == "sweep/0", result.stdout
+
+
 def test_jobs_at_once_label_every_line(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     result = _run(

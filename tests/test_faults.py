@@ -25,7 +25,7 @@ import psutil
 import pytest
 from omegaconf import DictConfig
 
-from tests.conftest import as_from_a_terminal, assert_gone, wait_for
+from tests.conftest import as_from_a_terminal, assert_gone, run_app, wait_for
 
 APPS = Path(__file__).parent / "apps"
 LAUNCHER = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"]
@@ -192,6 +192,27 @@ def test_rank_killed_by_signal_or_exiting_fails_its_job_and_the_sweep_goes_on(tm
     assert ends[3]["status"] == "COMPLETED"
     assert (sweep_dir / "3" / "done_rank0").exists() and (sweep_dir / "3" / "done_rank1").exists()
     _assert_sweep_left_nothing(sweep_dir)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_left_no_traceback_ends_the_sweep_with_its_last_lines(tmp_path: Path) -> None:
+    """A rank killed by a signal or exiting non-zero has no traceback for Hydra's last word:
+    its last lines of stderr take its place, shown by default (not only with
+    HYDRA_FULL_ERROR=1); the job's line and the table keep the one-line account."""
+    app = _install_apps(tmp_path) / "fault_app.py"
+    args = ["-m", *LAUNCHER, f"hydra.sweep.dir={tmp_path / 'multirun'}", "mode=fail", "how=exit3"]
+    result = run_app(app, args, cwd=tmp_path, check=False, full_error=False)
+    assert result.returncode != 0, _output(result)
+    told = result.stderr[result.stderr.index("Error executing job") :]
+    assert told.splitlines()[1].startswith("rank 1 (local_rank 1, pid "), _output(result)
+    assert "exited with code 3" in told.splitlines()[1], _output(result)
+    assert "its last lines:\nrank 1 fails now (exit3)\n" in told, _output(result)
+    job_line = next(line for line in result.stdout.splitlines() if "job 1 of 1 ended" in line)
+    assert job_line.endswith("exited with code 3"), _output(result)
+    assert "its last lines" not in result.stdout, _output(result)
+    summary = json.loads((tmp_path / "multirun" / "sweep_summary.json").read_text())
+    assert "its last lines" not in summary["jobs"][0]["error"], summary
+    _assert_sweep_left_nothing(tmp_path / "multirun")
 
 
 # --- 2. a rank raises while the others wait for it in a collective -------------------------

@@ -387,6 +387,19 @@ if __name__ == "__main__":
 """
 
 
+def _numa_binding_can_work() -> bool:
+    """Whether torch could bind ranks to their GPU's NUMA node here (then it is not refused)."""
+    import shutil
+
+    import torch
+
+    return (
+        torch.backends.cuda.is_built()
+        and torch.cuda.device_count() > 0
+        and shutil.which("numactl") is not None
+    )
+
+
 def _refused_before_any_rank(tmp_path: Path, *overrides: str) -> "subprocess.CompletedProcess[str]":
     """A two-job sweep with `overrides`, which the launcher refuses: no rank has run."""
     app = tmp_path / "app.py"
@@ -418,6 +431,14 @@ def _refused_before_any_rank(tmp_path: Path, *overrides: str) -> "subprocess.Com
         ("hydra.launcher.signals_to_handle='SIGTERM,SIGTERN'", "signals_to_handle"),
         # a program that is not there: not a bare FileNotFoundError in every rank
         ("hydra.launcher.launch_prefix=[no_such_program_xyz]", "launch_prefix"),
+        # no CUDA torch, GPU or numactl: not "Torch not compiled with CUDA enabled" in every rank
+        pytest.param(
+            "hydra.launcher.numa_binding=node",
+            "numa_binding",
+            marks=pytest.mark.skipif(
+                _numa_binding_can_work(), reason="this machine can bind ranks to NUMA nodes"
+            ),
+        ),
         # past the last node of a static rendezvous: not a wait for a world that never forms
         (
             "hydra.launcher.nnodes=2 hydra.launcher.node_rank=5 hydra.launcher.rdzv_backend=static "

@@ -247,7 +247,7 @@ def test_a_stop_during_a_jobs_rendezvous_ends_it_without_waiting_for_stop_timeou
     assert node.elapsed_s is not None and node.elapsed_s < 60, out
 
 
-# --- the README's Lightning recipe ---
+# --- the Lightning recipe of docs/preemption.md ---
 
 
 def test_the_lightning_recipe_stops_with_a_checkpoint_and_resumes_from_it(tmp_path: Path) -> None:
@@ -275,11 +275,11 @@ def test_the_lightning_recipe_stops_with_a_checkpoint_and_resumes_from_it(tmp_pa
     second = [json.loads((app_dir / "sweep" / "1" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert second == [{"start_step": 0, "final_step": 12}] * 2, out
     assert [job["return_value"] for job in _summary(app_dir)] == [12, 12], out
-    # the README shows this callback as it is here
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    # the docs show this callback as it is here
+    recipe = (Path(__file__).parent.parent / "docs" / "preemption.md").read_text()
     source = LIGHTNING_APP.read_text()
     callback = source[source.index("class StopOnPreemption") : source.index("class Regression")].strip()
-    assert callback in readme, "README's Lightning recipe differs from the tested callback"
+    assert callback in recipe, "docs/preemption.md's Lightning recipe differs from the tested callback"
 
 
 def test_a_changed_app_or_config_in_the_same_sweep_dir_runs_again(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ _PARSER = get_args_parser()
 # flags that print something and exit (`--print-completion`: torch 2.15): nothing a launcher runs
 CLI_ONLY = ("help", "print_completion")
 TORCHRUN_DEFAULTS = {a.dest: a.default for a in _PARSER._actions if a.dest not in CLI_ONLY}
-# where this plugin differs from torchrun on purpose (see README: "Defaults that differ")
+# where this plugin differs from torchrun on purpose (the README's Configuration reference marks them ★)
 ON_PURPOSE = {
     "master_port",
     "rdzv_id",

@@ -7,6 +7,7 @@ records each job's outcome in `<sweep dir>/jobs.jsonl`.
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ def _fail(cfg, rank: int) -> None:
         dist.init_process_group("gloo")
     if rank == cfg.bad_rank and cfg.how != "none":
         (_job_dir() / "fail_time").write_text(repr(time.time()))
+        print(f"rank {rank} fails now ({cfg.how})", file=sys.stderr, flush=True)
         if cfg.how == "raise":
             raise ValueError(f"boom from rank {rank}")
         if cfg.how == "exit3":

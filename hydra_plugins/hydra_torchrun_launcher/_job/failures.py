@@ -2,9 +2,11 @@
 
 The console already showed the failed rank's own lines (its traceback included, prefixed
 with its rank). The job's error then says, in a few lines, which rank failed, how (its
-exception, signal or exit code) and where its full logs are; the rank's traceback stays
-attached as the error's `__cause__` (shown with `HYDRA_FULL_ERROR=1`, kept by callbacks
-and by anything that formats the exception chain), not printed a second time.
+exception, signal or exit code) and where its full logs are. A rank that raised hands back
+its own exception (`job_error`); one that failed without a Python exception (a signal, an
+exit code, a training script) has no traceback to show, so its error ends with the last
+lines of the rank's stderr, which Hydra prints at the end of the sweep as it prints a task's
+traceback: the job's line, the table and `sweep_summary.json` keep the short account.
 """
 
 import os
@@ -17,7 +19,7 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._rank.error import read_rank_exception, with_summary
+from .._rank.error import SUMMARY_ATTR, read_rank_exception, with_summary
 from .._shared.paths import shown_path
 from .._shared.signals import group_signals
 
@@ -35,18 +37,22 @@ class JobFailedError(CompactHydraException, RuntimeError):
 
     A `CompactHydraException`, so Hydra prints the message alone at the end of a sweep
     instead of the launcher's frames. It is rebuilt from `args` when unpickled, so the
-    cause survives the trip from the job's process to the launcher.
+    cause survives the trip from the job's process to the launcher. `tail`, the last lines
+    of a rank that left no traceback, follows the message in `str()` (what Hydra prints);
+    the launcher's own lines take the message alone (`_rank.error.failure_summary`).
     """
 
-    def __init__(self, message: str, details: str = "") -> None:
-        super().__init__(message, details)
+    def __init__(self, message: str, details: str = "", tail: str = "") -> None:
+        super().__init__(message, details, tail)
         self.message = message
         self.details = details
+        self.tail = tail
+        setattr(self, SUMMARY_ATTR, message)
         if details:
             self.__cause__ = RankTraceback(details)
 
     def __str__(self) -> str:
-        return self.message
+        return f"{self.message}\n{self.tail}" if self.tail else self.message
 
 
 class _Stop:
@@ -125,19 +131,23 @@ def _exception_line(failure: ProcessFailure) -> str:
     return lines[0] if lines else ""
 
 
-def _details(failure: ProcessFailure, stderr_log: Optional[Path]) -> str:
-    """The rank's traceback, or the last lines of its stderr when it left none."""
+def _traceback(failure: ProcessFailure) -> str:
+    """The traceback the rank left in its error file ("" when it left none)."""
     message: Any = failure.message
-    if _left_error_file(failure):
-        if isinstance(message, dict):
-            callstack = message.get("extraInfo", {}).get("py_callstack")
-            return str(callstack or message.get("message", "")).rstrip()
-        return str(message).rstrip()
-    if stderr_log is not None and stderr_log.is_file():
-        lines = stderr_log.read_text(errors="replace").splitlines()[-_STDERR_TAIL_LINES:]
-        if lines:
-            return f"last lines of {stderr_log}:\n" + "\n".join(lines)
-    return ""
+    if not _left_error_file(failure):
+        return ""
+    if isinstance(message, dict):
+        callstack = message.get("extraInfo", {}).get("py_callstack")
+        return str(callstack or message.get("message", "")).rstrip()
+    return str(message).rstrip()
+
+
+def _tail(stderr_log: Optional[Path]) -> str:
+    """The last lines of a rank's stderr file, for a rank that left no traceback."""
+    if stderr_log is None or not stderr_log.is_file():
+        return ""  # tee=0 and redirects=0: the rank wrote to the console, no file
+    lines = stderr_log.read_text(errors="replace").splitlines()[-_STDERR_TAIL_LINES:]
+    return "its last lines:\n" + "\n".join(lines) if lines else ""
 
 
 def describe(
@@ -165,7 +175,9 @@ def describe(
     log = stderr_of(root)
     if log is not None and log.is_file():
         lines.append(f"its output: {shown_path(str(log), launch_dir)}")
-    return JobFailedError("\n".join(lines), _details(root, log))
+    if _left_error_file(root):
+        return JobFailedError("\n".join(lines), _traceback(root))
+    return JobFailedError("\n".join(lines), tail=_tail(log))
 
 
 def job_error(

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from typing import Any, Dict, Optional, Set
 
 import torch
@@ -108,10 +109,32 @@ def check_supported(settings: JobSettings) -> None:
                 f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
                 f"{torch.__version__}; leave it at its default or upgrade torch"
             )
+    _check_numa_binding(settings)
     for field_name, broken in _PROMISE_OF_FIELD.items():
         if field_name not in have and field_name not in _WARNED:
             _WARNED.add(field_name)
             log.warning(f"torch {torch.__version__} has no LaunchConfig.{field_name}: {broken}")
+
+
+def _check_numa_binding(settings: JobSettings) -> None:
+    """`numa_binding` binds each rank to the NUMA node of its GPU (torch.numa.binding), which
+    needs a CUDA build of torch, a visible GPU and the `numactl` program: without them every
+    rank would fail at start ("Torch not compiled with CUDA enabled"), so refuse it here."""
+    value = settings.conf.numa_binding
+    if value is None:
+        return
+    if not torch.backends.cuda.is_built():
+        why = f"the installed torch {torch.__version__} is not built with CUDA"
+    elif torch.cuda.device_count() == 0:  # torch counts without initialising CUDA here
+        why = "no GPU is visible"
+    elif shutil.which("numactl") is None:
+        why = "torch needs the numactl program, which is not found on PATH"
+    else:
+        return
+    raise LauncherConfigError(
+        f"hydra.launcher.numa_binding={value!r} is invalid here: it binds each rank to its GPU's "
+        f"NUMA node, and {why}; leave it null"
+    )
 
 
 def local_world_size(settings: JobSettings) -> int:

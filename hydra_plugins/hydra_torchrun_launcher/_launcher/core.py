@@ -279,8 +279,7 @@ def _run_plans(
         report.log_table()
         react_to_stop(stopped, f"the sweep was stopped: {report.stop_summary()}")
         raise
-    if len(plans) > 1 or notice.received:
-        report.log_table()
+    report.log_table()  # every launch ends with its table, a one-job launch too: it names the job dir
     if notice.received:
         report.interrupted = True
         report.write()
