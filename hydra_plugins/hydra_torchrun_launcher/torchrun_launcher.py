@@ -55,3 +55,13 @@ class TorchrunLauncher(Launcher):
         return core.launch(
             launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
         )
+
+
+class TorchrunSlurmLauncher(TorchrunLauncher):
+    """`hydra/launcher=torchrun_slurm`: each job submitted to SLURM from a login node, one
+    task per node running the job's elastic agent there (`_submit.submit`)."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ._submit import submit
+
+        return submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

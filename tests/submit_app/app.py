@@ -1,0 +1,54 @@
+"""A Hydra app for the SLURM submission tests: each rank joins its job's gloo world.
+
+Returns (from global rank 0) the job's `x`, its world size, the hostnames its ranks ran
+on, the step it started from and whether it resumed; `fail_rank` makes that rank raise;
+`steps` > 0 runs a loop that stops at a step boundary when the launcher asks, rank 0
+writing a checkpoint in the job dir.
+"""
+
+import json
+import os
+import socket
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from hydra_plugins.hydra_torchrun_launcher import preemption
+
+# Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
+
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
+def main(cfg: DictConfig) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    print(f"rank {rank}/{world} on {socket.gethostname()} x={cfg.x}", flush=True)
+    if rank == cfg.fail_rank:
+        raise ValueError(f"rank {rank} failed on purpose (x={cfg.x})")
+    resumed = preemption.resumed()
+    step = json.load(open("checkpoint.json"))["step"] if resumed and os.path.exists("checkpoint.json") else 0
+    start = step
+    while step < cfg.steps:
+        time.sleep(cfg.step_s)
+        step += 1
+        if rank == 0 and step == 1:
+            print(f"rank 0 running x={cfg.x}", flush=True)
+        if preemption.should_stop():
+            if rank == 0:
+                json.dump({"step": step}, open("checkpoint.json", "w"))
+            print(f"rank {rank}: stopping after step {step}", flush=True)
+            dist.destroy_process_group()
+            return {}
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"x": cfg.x, "world": world, "hosts": sorted(set(hosts)), "from": start, "resumed": resumed}
+
+
+if __name__ == "__main__":
+    main()
