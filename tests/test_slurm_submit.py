@@ -114,4 +114,160 @@ def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
         assert (app_dir / "sweep" / str(n) / ".hydra" / "config.yaml").exists()
         assert (app_dir / "sweep" / str(n) / "rerun.sh").exists()
     assert "3 jobs: 3 completed" in output, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_failing_rank_fails_its_job_with_the_ranks_exception_the_others_complete(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "fail_rank=1",
+        "fail_x=2",
+        "x=1,2,3",
+    )
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(3)] == ["COMPLETED", "FAILED", "COMPLETED"], output
+    assert "ValueError: rank 1 failed on purpose (x=2)" in jobs[1]["error"], jobs[1]["error"]
+    assert "rank 1 failed on purpose (x=2)" in output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_an_impossible_request_fails_at_once_with_slurms_reason(cluster: SlurmCluster, app_dir: Path) -> None:
+    started = time.monotonic()
+    result = _sweep(cluster, app_dir, "hydra.launcher.partition=nosuch", "x=1,2")
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["FAILED", "FAILED"], output
+    assert "sbatch refused the job" in jobs[0]["error"] and "invalid partition" in jobs[0]["error"].lower(), (
+        jobs[0]
+    )
+    assert "Traceback" not in output, output
+    assert took < 60, took
+
+
+def test_dry_run_prints_each_jobs_sbatch_script_and_submits_nothing(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.dry_run=true",
+        "x=1,2",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("#SBATCH --nodes=2") == 2, output
+    assert "#SBATCH --partition=debug" in output and "#SBATCH --signal=USR2@120" in output, output
+    assert "_submit.node" in output and "srun --ntasks-per-node=1" in output, output
+    assert not (app_dir / "sweep" / "sweep_summary.json").exists()
     assert not _queue(cluster)
+
+
+def _submitted(app_dir: Path, count: int) -> List[str]:
+    path = app_dir / "sweep" / ".slurm" / "submitted.json"
+
+    def found() -> List[str]:
+        try:
+            jobs = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return []
+        return [jobs[str(n)]["slurm_id"] for n in range(count)] if len(jobs) == count else []
+
+    return _wait_for(found, f"{count} submitted jobs in {path}")
+
+
+def _running(cluster: SlurmCluster, count: int) -> List[str]:
+    return _wait_for(
+        lambda: len([line for line in _queue(cluster) if line.endswith("RUNNING")]) == count,
+        f"{count} running jobs",
+    )
+
+
+def test_ctrl_c_cancels_every_job_of_the_sweep(cluster: SlurmCluster, app_dir: Path) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2,3,4,5")
+    try:
+        ids = _submitted(app_dir, 5)
+        _running(cluster, 4)  # four nodes: the fifth job waits
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 130, output
+    lines = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGINT: cancelled")]
+    assert len(lines) == 1 and all(slurm_id in lines[0] for slurm_id in ids), output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+    assert {job["status"] for job in _summary(app_dir).values()} == {"STOPPED"}
+
+
+def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(
+        cluster, app_dir, "hydra.launcher.nodes=2", "hydra.launcher.nproc_per_node=2", "steps=25", "x=1,2"
+    )
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    first = jobs[0]["return_value"]
+    assert first["resumed"] is True and 0 < first["from"] < 25, first
+    assert jobs[1]["return_value"]["resumed"] is False
+    text = out.read_text()
+    assert (
+        sorted(line for line in text.splitlines() if ": stopping after step" in line)
+        and "is requeued" in text
+    )
+    stops = {
+        line.split(": stopping after step ")[1]
+        for line in text.splitlines()
+        if ": stopping after step" in line
+    }
+    assert len(stops) == 1 and text.count(": stopping after step") == 4, text  # every rank, the same step
+    assert f"job #0 (SLURM job {ids[0]}) is requeued" in output, output
+
+
+def test_a_launcher_killed_and_started_again_submits_no_job_twice(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=20", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=20", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Submitting" not in output, output
+    assert all(f"SLURM job {slurm_id}, submitted before" in output for slurm_id in ids), output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+
+
+def test_two_one_node_jobs_run_at_once_on_different_nodes(cluster: SlurmCluster, app_dir: Path) -> None:
+    result = _sweep(cluster, app_dir, "steps=10", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    hosts = [jobs[n]["return_value"]["hosts"] for n in range(2)]
+    assert len(hosts[0]) == 1 and len(hosts[1]) == 1 and hosts[0] != hosts[1], hosts
+    lines = output.splitlines()
+    first_end = min(i for i, line in enumerate(lines) if " ended: " in line)
+    assert len([line for line in lines[:first_end] if " started on " in line]) == 2, output

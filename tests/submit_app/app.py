@@ -1,7 +1,7 @@
 """A Hydra app for the SLURM submission tests: each rank joins its job's gloo world.
 
 Returns (from global rank 0) the job's `x`, its world size, the hostnames its ranks ran
-on, the step it started from and whether it resumed; `fail_rank` makes that rank raise;
+on, the step it started from and whether it resumed; `fail_rank` makes that rank raise in the job of `x == fail_x`;
 `steps` > 0 runs a loop that stops at a step boundary when the launcher asks, rank 0
 writing a checkpoint in the job dir.
 """
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> dict:
     hosts = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     print(f"rank {rank}/{world} on {socket.gethostname()} x={cfg.x}", flush=True)
-    if rank == cfg.fail_rank:
+    if rank == cfg.fail_rank and cfg.x == cfg.fail_x:
         raise ValueError(f"rank {rank} failed on purpose (x={cfg.x})")
     resumed = preemption.resumed()
     step = json.load(open("checkpoint.json"))["step"] if resumed and os.path.exists("checkpoint.json") else 0

@@ -96,15 +96,19 @@ def launch(
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
     sweep = _Sweep(directory, report)
-    with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
-        try:
-            sweep.submit(launcher, to_run, configs, options, composed.task_error)
-            ran = sweep.wait(to_run)
-        except SweepStopped as stopped:
-            cancelled = sweep.cancel()
-            report.log_table()
-            react_to_stop(stopped, f"cancelled {cancelled}; {report.stop_summary()}")
-            raise
+    try:
+        with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
+            try:
+                sweep.submit(launcher, to_run, configs, options, composed.task_error)
+                ran = sweep.wait(to_run)
+            except SweepStopped:
+                cancelled = sweep.cancel()
+                report.log_table()
+                raise
+    except SweepStopped as stopped:
+        # the launcher's own handlers are back: the signal does what it would have done
+        react_to_stop(stopped, f"cancelled {cancelled}; {report.stop_summary()}")
+        raise
     if len(plans) > 1:
         report.log_table()
     returns = {**resumed.completed, **ran}
@@ -265,7 +269,8 @@ class _Sweep:
             elif state.state == "PENDING" and before is not None and before[0] == "RUNNING":
                 log.info(f"{title} is requeued: pending ({state.reason})")
             elif state.state == "PENDING":
-                log.info(f"{title} is pending ({state.reason})")
+                reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
+                log.info(f"{title} is pending{reason}")
             else:
                 log.info(f"{title} is {state.state.lower()}")
         return changed
