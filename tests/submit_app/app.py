@@ -1,8 +1,8 @@
 """A Hydra app for the SLURM submission tests: each rank joins its job's gloo world.
 
 Returns (from global rank 0) the job's `x`, its world size, the hostnames its ranks ran
-on, the step it started from and whether it resumed; `fail_rank` makes that rank raise in the job of `x == fail_x`;
-`steps` > 0 runs a loop that stops at a step boundary when the launcher asks, rank 0
+on, the step it started from and whether it resumed; `fail_rank` makes that rank raise in
+the job of `x == fail_x`; `steps` > 0 runs a loop that stops at a step boundary when the launcher asks, rank 0
 writing a checkpoint in the job dir.
 """
 

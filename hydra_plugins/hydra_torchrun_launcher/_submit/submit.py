@@ -15,10 +15,11 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .._job.failures import JobFailedError
 from .._job.launch_config import check_supported
@@ -126,6 +127,12 @@ class _Sweep:
         self.submitted = read_submitted(directory)
         self.stop_signum: Optional[int] = None
         self.polls = 0
+        # every job's JobReturn as it ends (one sbatch refused, at once)
+        self.returns: Dict[int, JobReturn] = {}
+        # what the last line said of each job (state, and reason or nodes)
+        self.shown: Dict[int, Tuple[str, str]] = {}
+        # jobs a poll saw ended (or gone) without a result: the next poll decides
+        self.ending: Set[int] = set()
 
     def stop(self, signum: int, frame: Any) -> None:
         if self.stop_signum is None:
@@ -158,6 +165,7 @@ class _Sweep:
                 and plan.settings.conf.resume is not False
             ):
                 self.slurm_ids[plan.idx] = known["slurm_id"]
+                self.report.started(plan.idx)
                 log.info(
                     f"\t{job_title(plan.idx, plan.overrides)} : SLURM job "
                     f"{known['slurm_id']}, submitted before"
@@ -190,6 +198,7 @@ class _Sweep:
                 array_id = commands.sbatch(script)
             except (SlurmCommandError, OSError) as e:
                 for plan in group:
+                    self.report.started(plan.idx)
                     self._end(plan.idx, _failure(f"sbatch refused the job: {e}"), FAILED)
                 continue
             for plan in group:
@@ -197,41 +206,34 @@ class _Sweep:
                 self.slurm_ids[plan.idx] = slurm_id
                 self.submitted[str(plan.idx)] = {"slurm_id": slurm_id, "fingerprint": plan.fingerprint}
                 log.info(f"\t{job_title(plan.idx, plan.overrides)} : SLURM job {slurm_id}")
+                self.report.started(plan.idx)  # until SLURM starts it, its time counts from here
             write_submitted(self.directory, self.submitted)
 
     # -- waiting --------------------------------------------------------------------------
 
     def wait(self, plans: List[JobPlan]) -> Dict[int, JobReturn]:
-        """Every submitted job's JobReturn, collected as each ends."""
+        """Every job's JobReturn (those sbatch refused included), collected as each ends."""
         by_idx = {plan.idx: plan for plan in plans}
-        shown: Dict[int, Tuple[str, str]] = {}
         interval = POLL_FIRST_S
         next_poll = time.monotonic()
-        returns: Dict[int, JobReturn] = {}
-        for idx, outcome in self.report.outcomes.items():
-            if idx in by_idx and outcome.status == FAILED and idx not in self.slurm_ids:
-                returns[idx] = self._failed_at_submission[idx]
-        while len(returns) < len(plans):
+        while self.slurm_ids:
             self._check_stop()
             for idx in list(self.slurm_ids):
                 if result_file(self.directory, idx).exists():
-                    returns[idx] = self._collect(by_idx[idx])
-            if time.monotonic() >= next_poll and self.slurm_ids:
-                changed = self._poll(by_idx, shown, returns)
+                    self._collect(by_idx[idx])
+            if self.slurm_ids and time.monotonic() >= next_poll:
+                changed = self._poll(by_idx)
                 interval = POLL_FIRST_S if changed else min(POLL_MAX_S, interval * POLL_GROWTH)
                 next_poll = time.monotonic() + interval
-            if len(returns) < len(plans):
+            if self.slurm_ids:
                 time.sleep(RESULT_CHECK_S)
-        return returns
+        return {idx: self.returns[idx] for idx in by_idx}
 
-    @property
-    def _failed_at_submission(self) -> Dict[int, JobReturn]:
-        return self.__dict__.setdefault("_refused", {})
-
-    def _poll(
-        self, by_idx: Dict[int, JobPlan], shown: Dict[int, Tuple[str, str]], returns: Dict[int, JobReturn]
-    ) -> bool:
-        """One squeue call for the whole sweep: lines for what changed; jobs ended without a result."""
+    def _poll(self, by_idx: Dict[int, JobPlan]) -> bool:
+        """One squeue call for the whole sweep: a line for what changed; a job that ended
+        without a result (seen so in two polls in a row: SLURM shows a requeued job's end for
+        a moment, and a result may land between) is FAILED with SLURM's words. Whether
+        anything changed."""
         self.polls += 1
         try:
             states = commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
@@ -244,41 +246,39 @@ class _Sweep:
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                if result_file(self.directory, idx).exists():
-                    returns[idx] = self._collect(by_idx[idx])
-                    continue
-                if state is None:
-                    state = commands.sacct(slurm_id) or JobState(
-                        "UNKNOWN", "SLURM no longer shows the job", ""
-                    )
-                if state.state not in ENDED_STATES and state.state != "UNKNOWN":
-                    continue
-                returns[idx] = self._lost(by_idx[idx], slurm_id, state)
                 changed = True
+                if result_file(self.directory, idx).exists():
+                    self._collect(by_idx[idx])
+                elif idx in self.ending:
+                    if state is None:
+                        state = commands.sacct(slurm_id) or JobState(
+                            "UNKNOWN", "SLURM no longer shows it", ""
+                        )
+                    self._lost(by_idx[idx], slurm_id, state)
+                else:
+                    self.ending.add(idx)
                 continue
+            self.ending.discard(idx)
             now = (state.state, state.reason if state.state == "PENDING" else state.nodes)
-            if shown.get(idx) == now:
+            before = self.shown.get(idx)
+            if before == now:
                 continue
             changed = True
-            before = shown.get(idx)
-            shown[idx] = now
+            self.shown[idx] = now
             title = f"job #{idx} (SLURM job {slurm_id})"
             if state.state == "RUNNING":
-                self.report.started(idx)
+                self.report.started(idx)  # its time counts from here
                 log.info(f"{title} started on {state.nodes}")
-            elif state.state == "PENDING" and before is not None and before[0] == "RUNNING":
-                log.info(f"{title} is requeued: pending ({state.reason})")
             elif state.state == "PENDING":
                 reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
-                log.info(f"{title} is pending{reason}")
+                requeued = before is not None and before[0] != "PENDING"
+                log.info(f"{title} is {'requeued: pending' if requeued else 'pending'}{reason}")
             else:
                 log.info(f"{title} is {state.state.lower()}")
         return changed
 
-    def _collect(self, plan: JobPlan) -> JobReturn:
-        """The job's result, as node 0 wrote it."""
-        import cloudpickle
-
+    def _collect(self, plan: JobPlan) -> None:
+        """The job's result, as its node 0 wrote it."""
         idx = plan.idx
         path = result_file(self.directory, idx)
         try:
@@ -293,36 +293,30 @@ class _Sweep:
             status = PREEMPTED
         else:
             status = FAILED
-        self._end(
-            idx,
-            job_return,
-            status,
-            ranks_ran=ranks_ran_file(self.directory, idx).exists() or status != FAILED,
-        )
-        return job_return
+        ranks_ran = status != FAILED or ranks_ran_file(self.directory, idx).exists()
+        self._end(idx, job_return, status, ranks_ran)
 
-    def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> JobReturn:
+    def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is."""
-        array_id = slurm_id.split("_")[0]
-        out = output_file(self.directory, plan.idx, array_id)
+        out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
         reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
-        job_return = _failure(
-            f"SLURM job {slurm_id} ended {state.state}{reason} without a result; "
-            f"its output: {shown_path(str(out))}"
+        self._end(
+            plan.idx,
+            _failure(
+                f"SLURM job {slurm_id} ended {state.state}{reason} without a result; "
+                f"its output: {shown_path(str(out))}"
+            ),
+            FAILED,
         )
-        self._end(plan.idx, job_return, FAILED)
-        return job_return
 
     def _end(self, idx: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
-        if idx not in self.report._started:
-            self.report.started(idx)
+        """The job's outcome into the record (and its line); it is no longer in flight."""
         self.report.ended(idx, job_return, status, ranks_ran)
-        if idx in self.slurm_ids:
-            del self.slurm_ids[idx]
+        self.returns[idx] = job_return
+        self.ending.discard(idx)
+        if self.slurm_ids.pop(idx, None) is not None:
             self.submitted.pop(str(idx), None)
             write_submitted(self.directory, self.submitted)
-        else:
-            self._failed_at_submission[idx] = job_return
 
     # -- cancel ---------------------------------------------------------------------------
 
@@ -330,14 +324,11 @@ class _Sweep:
         """scancel every job of the sweep still in flight; what to say of it."""
         ids = sorted(self.slurm_ids.values())
         if not ids:
-            return "no SLURM job was in flight"
+            return "no SLURM job (none was in flight)"
         said = commands.scancel(ids)
         for idx, slurm_id in list(self.slurm_ids.items()):
-            job_return = _failure(
-                f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
-            )
-            self.report.started(idx) if idx not in self.report._started else None
-            self.report.ended(idx, job_return, STOPPED)
+            message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
+            self._end(idx, _failure(message), STOPPED)
         return f"SLURM job(s) {', '.join(ids)}{_said(said)}"
 
 
@@ -389,6 +380,3 @@ def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: 
             ),
         ]
     return "\n".join(lines)
-
-
-__all__ = ["launch", "OmegaConf", "PREEMPTED"]
