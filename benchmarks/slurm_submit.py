@@ -3,10 +3,12 @@
 Starts the test suite's SLURM cluster (root and SLURM needed, as tests/test_slurm_submit.py)
 and a sweep of `--jobs` one-node jobs of a trivial app (one rank each), submitted as one
 array from the host, as from a login node. Prints:
-- submission: the seconds from the launcher's start to every job submitted (and per job);
+- submission: the seconds the launcher takes to compose and check the jobs, then to write
+  their requests and submit them (one sbatch call for the array), and per job;
 - waiting: the launcher's squeue/sacct calls, per minute of waiting (the sweep's log counts
   none, so the launcher runs here under a wrapper PATH that counts each call);
-- start: from a job's start (SLURM's StartTime) to its first rank line in its output file.
+- start: from a job's start (SLURM's StartTime) to its first rank line (the rank prints the
+  time, `benchmarks/slurm_submit_app.py`).
 
     flock <lock> python benchmarks/slurm_submit.py --jobs 100
 """
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
-APP = Path(__file__).resolve().parents[1] / "tests" / "submit_app"
+APP = Path(__file__).resolve().parent / "slurm_submit_app.py"
 COUNTED = ("squeue", "sacct", "sbatch")
 
 
@@ -40,6 +42,12 @@ def _counting_path(bin_dir: Path, log: Path) -> str:
     return f"{bin_dir}:{os.environ['PATH']}"
 
 
+def _stamp(line: str) -> float:
+    """The time of a `[YYYY-mm-dd HH:MM:SS,mmm][HYDRA] ...` line."""
+    stamp = line[1:24]
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:]) / 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=100)
@@ -49,7 +57,8 @@ def main() -> None:
         sys.exit(f"no SLURM cluster here: {unavailable()}")
     with tempfile.TemporaryDirectory() as tmp, SlurmCluster(Path(tmp), nodes=args.nodes) as cluster:
         app = Path(tmp) / "app"
-        shutil.copytree(APP, app)
+        app.mkdir()
+        shutil.copy(APP, app / "app.py")
         bin_dir = Path(tmp) / "bin"
         bin_dir.mkdir()
         calls = Path(tmp) / "calls.log"
@@ -61,41 +70,48 @@ def main() -> None:
             "-m",
             "hydra/launcher=torchrun_slurm",
             "hydra.sweep.dir=sweep",
-            f"x={xs}",
+            f"+x={xs}",
         ]
         started = time.time()
-        launcher = subprocess.Popen(
-            command, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        output, _ = launcher.communicate()
+        launcher = subprocess.run(command, cwd=app, env=env, capture_output=True, text=True)
         ended = time.time()
+        output = launcher.stdout + launcher.stderr
         assert launcher.returncode == 0, output[-3000:]
+        lines = output.splitlines()
+        submitting = _stamp(next(line for line in lines if "Submitting" in line))
+        submitted = _stamp([line for line in lines if ": SLURM job " in line][-1])
         log = [line.split() for line in calls.read_text().splitlines()]
-        submitted = max(float(t) for name, t in log if name == "sbatch")
         polls = [float(t) for name, t in log if name in ("squeue", "sacct")]
+        sbatch = [name for name, _ in log if name == "sbatch"]
+        print(f"{args.jobs} one-node jobs on {args.nodes} nodes, {ended - started:.1f}s in all")
+        print(
+            f"composing and checking the jobs: {submitting - started:.2f}s from the launcher's start "
+            f"({(submitting - started) / args.jobs * 1000:.0f} ms per job)"
+        )
+        print(
+            f"submission (requests written, {len(sbatch)} sbatch call): {submitted - submitting:.2f}s "
+            f"({(submitted - submitting) / args.jobs * 1000:.1f} ms per job)"
+        )
         waited_min = (ended - submitted) / 60
         print(
-            f"submission of {args.jobs} jobs: {submitted - started:.2f}s from the launcher's start "
-            f"({(submitted - started) / args.jobs * 1000:.1f} ms per job, one sbatch call)"
-        )
-        print(
             f"waiting: {len(polls)} squeue/sacct calls in {waited_min * 60:.1f}s = "
-            f"{len(polls) / max(waited_min, 1e-9):.1f} per minute"
+            f"{len(polls) / waited_min:.1f} per minute"
         )
         delays = []
         for out in (app / "sweep" / ".slurm").glob("job*.out"):
             job = out.name.split(".")[1] + "_" + out.name.split(".")[0][3:]
             shown = cluster.run(["scontrol", "show", "job", "-o", job]).stdout
             start = re.search(r"StartTime=(\S+)", shown)
-            first = out.stat().st_mtime if "rank 0/" in out.read_text() else None
+            first = re.search(r"first rank line at (\d+\.\d+)", out.read_text())
             if start and first:
                 t0 = time.mktime(time.strptime(start.group(1), "%Y-%m-%dT%H:%M:%S"))
-                delays.append(first - t0)
+                delays.append(float(first.group(1)) - t0)
         if delays:
             delays.sort()
             print(
-                f"job start to its output's last write (upper bound of the first rank line): "
-                f"median {delays[len(delays) // 2]:.2f}s over {len(delays)} jobs"
+                f"job start (SLURM's StartTime, whole seconds) to its first rank line: median "
+                f"{delays[len(delays) // 2]:.2f}s, min {delays[0]:.2f}s, max {delays[-1]:.2f}s "
+                f"over {len(delays)} jobs"
             )
 
 

@@ -109,6 +109,13 @@ def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
         value = jobs[n]["return_value"]
         assert value["x"] == n + 1 and value["world"] == 4, value
         assert len(value["hosts"]) == 2 and set(value["hosts"]) <= set(cluster.nodes), value
+        # every rank saw what it sees under the local launcher, from its first line
+        assert value["ranks_saw"] == [
+            {"rank_at_import": str(rank), "job_tag": f"job_{n}", "in_job_dir": True} for rank in range(4)
+        ], value
+        # Hydra's bookkeeping once per job, on its first node
+        starts = (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split()
+        assert len(starts) == 1 and starts[0] in value["hosts"], starts
     for n in range(3):
         assert f"job #{n} (SLURM job " in output and " started on node" in output, output
         assert (app_dir / "sweep" / str(n) / ".hydra" / "config.yaml").exists()
@@ -239,7 +246,10 @@ def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
         if ": stopping after step" in line
     }
     assert len(stops) == 1 and text.count(": stopping after step") == 4, text  # every rank, the same step
-    assert f"job #0 (SLURM job {ids[0]}) is requeued" in output, output
+    said = [
+        line for line in output.splitlines() if f"job #0 (SLURM job {ids[0]}) " in line and "requeued" in line
+    ]
+    assert said, output
 
 
 def test_a_launcher_killed_and_started_again_submits_no_job_twice(
@@ -271,3 +281,106 @@ def test_two_one_node_jobs_run_at_once_on_different_nodes(cluster: SlurmCluster,
     lines = output.splitlines()
     first_end = min(i for i, line in enumerate(lines) if " ended: " in line)
     assert len([line for line in lines[:first_end] if " started on " in line]) == 2, output
+
+
+def test_a_failing_rank_on_the_second_node_fails_its_job_with_that_ranks_exception(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "fail_rank=3",
+        "fail_x=1",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "rank 3 failed on purpose (x=1)" in job["error"], job["error"]
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_job_cancelled_outside_the_launcher_fails_with_slurms_state(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        _running(cluster, 2)
+        cancelled = cluster.run(["scancel", ids[0], ids[1]])
+        assert cancelled.returncode == 0, cancelled.stderr
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        kill_tree(launcher)
+    jobs = _summary(app_dir)
+    for n in range(2):
+        assert jobs[n]["status"] == "FAILED", output
+        assert f"SLURM job {ids[n]} ended CANCELLED" in jobs[n]["error"], jobs[n]["error"]
+        assert f"sweep/.slurm/job{n}." in jobs[n]["error"], jobs[n]["error"]  # where its output is
+    assert "Traceback" not in output, output
+
+
+def test_a_job_at_its_time_limit_stops_and_fails_when_no_requeue_is_left(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.timeout_min=1",
+        "hydra.launcher.signal_delay_s=50",
+        "hydra.launcher.max_num_timeout=0",
+        "steps=2000",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "reached its time limit" in job["error"] and "max_num_timeout=0" in job["error"], job["error"]
+    out = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
+    assert "rank 0: stopping after step" in out and "is requeued" not in out, out
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_optuna_sweeps_through_slurm_jobs_with_rank_0s_values(cluster: SlurmCluster, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    app_dir = tmp_path / "optuna"
+    shutil.copytree(
+        Path(__file__).parent / "integration_apps", app_dir, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "optuna_app.py",
+            "--multirun",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.sampler.seed=123",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_jobs=2",
+            "hydra/launcher=torchrun_slurm",
+            "hydra.launcher.nproc_per_node=2",
+            "x=interval(-5.0, 5.0)",
+            "+hydra.callbacks.record._target_=__main__.RecordReturn",
+            "hydra.sweep.dir=sweep",
+        ],
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("Submitting 2 jobs to SLURM") == 2, output
+    values = []
+    for n in range(4):
+        rank0 = json.loads((app_dir / "sweep" / str(n) / "rank0.json").read_text())
+        returned = json.loads((app_dir / "sweep" / str(n) / "job_return.json").read_text())
+        assert returned["status"] == "COMPLETED" and returned["return_value"] == rank0["value"], (
+            rank0,
+            returned,
+        )
+        values.append(rank0["value"])
+    results = (app_dir / "sweep" / "optimization_results.yaml").read_text()
+    assert f"best_value: {min(values)}" in results, results

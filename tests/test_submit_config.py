@@ -81,7 +81,7 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         assert f"#SBATCH {directive}" in lines, script
     assert lines.index("module load cuda") < len(lines) - 1
     srun = lines[-1]
-    assert srun.startswith("exec srun --ntasks-per-node=1 --nodes=2 --cpu-bind=none ")
+    assert srun.startswith("exec srun --ntasks-per-node=1 --nodes=2 --kill-on-bad-exit=1 --cpu-bind=none ")
     assert "_submit.node" in srun and srun.endswith(" 60 0"), srun
     assert "ranks:   4 per node x 2 node(s)" in output
     assert not (app.parent / "sweep" / ".slurm").exists()  # nothing written, nothing submitted

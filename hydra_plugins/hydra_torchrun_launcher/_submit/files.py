@@ -35,9 +35,20 @@ def result_file(directory: Path, idx: int) -> Path:
     return directory / f"job{idx}.result"
 
 
+def failure_file(directory: Path, idx: int) -> Path:
+    """The first failure any node of the job saw (its JobReturn): the root cause, where a
+    rank that failed on one node made SLURM stop the others (`srun --kill-on-bad-exit`)."""
+    return directory / f"job{idx}.failure"
+
+
 def ranks_ran_file(directory: Path, idx: int) -> Path:
     """Made by node 0 when the job was preempted after its ranks ran: the requeued run resumes."""
     return directory / f"job{idx}.ranks_ran"
+
+
+def requeued_file(directory: Path, idx: int) -> Path:
+    """How many times node 0 requeued the job after a stop (written just before it does)."""
+    return directory / f"job{idx}.requeued"
 
 
 def timeouts_file(directory: Path, idx: int) -> Path:
@@ -57,6 +68,20 @@ def output_file(directory: Path, idx: int, array_id: str) -> Path:
 def write_private(path: Path, data: bytes) -> None:
     """Owner-only (0600), replaced whole."""
     replace_whole(path, data, mode=0o600)
+
+
+def write_first(path: Path, data: bytes) -> bool:
+    """Owner-only, and only if no one wrote `path` before (a hard link never replaces): whether
+    this call wrote it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    write_private(partial, data)
+    try:
+        os.link(partial, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        partial.unlink()
 
 
 def read_private(path: Path) -> bytes:

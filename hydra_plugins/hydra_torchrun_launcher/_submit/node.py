@@ -9,7 +9,11 @@ port derived from the job's id, under an id that changes with every requeue), an
 job's process in this one (`_job.process.run_request`: the same path as a job of the local
 launcher). Node 0 does Hydra's bookkeeping (run_job writes `.hydra/`, fires the
 callbacks) and writes the job's result for the launcher; the other nodes run their agent
-under the same job config without either.
+under the same job config without either. A node whose job failed (a rank of its own
+failed) records the failure, unless another node did first, and exits non-zero (node 0
+once it has written the job's result): srun
+(`--kill-on-bad-exit`) then stops the job's other nodes, whose ranks would otherwise wait
+in a collective for the failed rank, and the job's error is the rank's own.
 
 A stop signal (SLURM's `--signal=USR2@...` or a preemption notice) reaches this process on
 every node: the job's ranks stop at a step boundary together (`preemption.should_stop()`),
@@ -23,6 +27,7 @@ import logging
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -35,7 +40,17 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._shared.plan import Rendezvous
-from .files import ranks_ran_file, read_private, request_file, result_file, timeouts_file, write_private
+from .files import (
+    failure_file,
+    ranks_ran_file,
+    read_private,
+    request_file,
+    requeued_file,
+    result_file,
+    timeouts_file,
+    write_first,
+    write_private,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +91,29 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     if node != 0:
         request.config = without_bookkeeping(request.config)
         request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=_NoCallbacks())
-    job_return = run_request(request)
+    try:
+        job_return = run_request(request)
+    except Exception as e:  # outside the task (Hydra's bookkeeping): still the job's error
+        traceback.print_exc()
+        job_return = _failed(
+            JobReturn(), f"node {node} of SLURM job {job_id} failed: {type(e).__name__}: {e}"
+        )
+    value = job_return._return_value
+    if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
+        # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
+        first = write_first(failure_file(directory, idx), pickled_return(job_return))
+        if node != 0:
+            return 1
+        if not first:
+            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx)))
     if node != 0:
         return 0
-    value = job_return._return_value
     if isinstance(value, JobPreempted):
         if value.ranks_ran:
             write_private(ranks_ran_file(directory, idx), b"")
         refused = _timeout_refusal(directory, idx, time_limit, environ)
         if refused is None:
+            write_private(requeued_file(directory, idx), str(restarts + 1).encode())
             said = requeue_slurm_job(environ)
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:
@@ -92,7 +121,17 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         else:
             job_return = _failed(job_return, refused)
     write_private(result_file(directory, idx), pickled_return(job_return))
-    return 0
+    # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
+    return 1 if job_return.status == JobStatus.FAILED else 0
+
+
+def _with_error_of(job_return: JobReturn, pickled: bytes) -> JobReturn:
+    """Node 0's JobReturn with the error another node failed with first (a rank's own exception)."""
+    import cloudpickle
+
+    failed = dataclasses.replace(job_return, status=JobStatus.FAILED)
+    failed.return_value = cloudpickle.loads(pickled)._return_value
+    return failed
 
 
 def _failed(job_return: JobReturn, why: str) -> JobReturn:

@@ -40,6 +40,8 @@ def batch_script(options: SlurmOptions, jobs: List[int], directory: Path, sweep_
         "srun",
         "--ntasks-per-node=1",
         f"--nodes={options.nodes}",
+        # a node whose rank failed ends non-zero: the other nodes' ranks are stopped with it
+        "--kill-on-bad-exit=1",
         *options.srun_args,
         sys.executable,
         "-u",

@@ -6,7 +6,7 @@ Each job's request lies in the sweep's private `.slurm/` dir; the ids SLURM give
 recorded there before the launcher waits, so a launcher killed with -9 and started again
 takes its jobs back instead of submitting them twice. Waiting reads the result files node 0
 writes (the filesystem, not slurmctld) and asks `squeue` about all the jobs in one call, at
-intervals that grow while nothing changes. A job that ends without a result is FAILED with
+intervals that grow to POLL_MAX_S. A job that ends without a result is FAILED with
 SLURM's own state and reason. Ctrl-C or SIGTERM cancels the sweep's jobs (`scancel`).
 """
 
@@ -37,11 +37,13 @@ from .._shared.signals import handled_by
 from . import commands
 from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
+    failure_file,
     output_file,
     ranks_ran_file,
     read_private,
     read_submitted,
     request_file,
+    requeued_file,
     result_file,
     slurm_dir,
     timeouts_file,
@@ -55,10 +57,14 @@ log = logging.getLogger(__name__)
 
 # how often the result files are looked at (the filesystem: no load on slurmctld)
 RESULT_CHECK_S = 0.5
-# squeue's interval: from the first to the last, growing by the factor while nothing changes
+# squeue's interval: from the first to the last, growing by the factor at every call (a
+# sweep's results come from the files, so squeue only tells starts, pending reasons and
+# jobs that ended without a result): a few calls a minute, whatever the number of jobs
 POLL_FIRST_S = 1.0
-POLL_MAX_S = 30.0
+POLL_MAX_S = 15.0
 POLL_GROWTH = 1.5
+# a job seen ended without a result is asked about again this soon, to be sure of it
+POLL_CONFIRM_S = 2.0
 
 
 def launch(
@@ -133,6 +139,10 @@ class _Sweep:
         self.shown: Dict[int, Tuple[str, str]] = {}
         # jobs a poll saw ended (or gone) without a result: the next poll decides
         self.ending: Set[int] = set()
+        # jobs seen running: seen running again, they were requeued
+        self.ran: Set[int] = set()
+        # what each job's requeue file said when last read
+        self.requeues: Dict[int, str] = {}
 
     def stop(self, signum: int, frame: Any) -> None:
         if self.stop_signum is None:
@@ -179,16 +189,16 @@ class _Sweep:
             log.info(
                 f"Cancelled SLURM job(s) {', '.join(stale)} of an earlier run of another sweep{_said(said)}"
             )
+        if fresh:
+            log.info(f"Submitting {len(fresh)} jobs to SLURM into {shown_path(sweep_dir)}")
         groups: Dict[SlurmOptions, List[JobPlan]] = {}
         for plan in fresh:
             groups.setdefault(options[plan.idx], []).append(plan)
-            for stale_file in (result_file, ranks_ran_file, timeouts_file):
+            for stale_file in (result_file, failure_file, ranks_ran_file, requeued_file, timeouts_file):
                 stale_file(self.directory, plan.idx).unlink(missing_ok=True)
             write_private(
                 request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
             )
-        if fresh:
-            log.info(f"Submitting {len(fresh)} jobs to SLURM into {shown_path(sweep_dir)}")
         for slurm, group in groups.items():
             self._check_stop()
             jobs = [plan.idx for plan in group]
@@ -221,32 +231,45 @@ class _Sweep:
             for idx in list(self.slurm_ids):
                 if result_file(self.directory, idx).exists():
                     self._collect(by_idx[idx])
+                else:
+                    self._note_requeue(idx)
             if self.slurm_ids and time.monotonic() >= next_poll:
-                changed = self._poll(by_idx)
-                interval = POLL_FIRST_S if changed else min(POLL_MAX_S, interval * POLL_GROWTH)
-                next_poll = time.monotonic() + interval
+                self._poll(by_idx)
+                interval = min(POLL_MAX_S, interval * POLL_GROWTH)
+                next_poll = time.monotonic() + (min(interval, POLL_CONFIRM_S) if self.ending else interval)
             if self.slurm_ids:
                 time.sleep(RESULT_CHECK_S)
         return {idx: self.returns[idx] for idx in by_idx}
 
-    def _poll(self, by_idx: Dict[int, JobPlan]) -> bool:
+    def _note_requeue(self, idx: int) -> None:
+        """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
+        path = requeued_file(self.directory, idx)
+        try:
+            count = path.read_text().strip()
+        except FileNotFoundError:
+            return
+        if count and self.requeues.get(idx) != count:
+            self.requeues[idx] = count
+            log.info(
+                f"job #{idx} (SLURM job {self.slurm_ids[idx]}) stopped at a step boundary and is requeued "
+                f"(requeue {count}): it continues in its job dir when SLURM runs it again"
+            )
+
+    def _poll(self, by_idx: Dict[int, JobPlan]) -> None:
         """One squeue call for the whole sweep: a line for what changed; a job that ended
         without a result (seen so in two polls in a row: SLURM shows a requeued job's end for
-        a moment, and a result may land between) is FAILED with SLURM's words. Whether
-        anything changed."""
+        a moment, and a result may land between) is FAILED with SLURM's words."""
         self.polls += 1
         try:
             states = commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
         except SlurmCommandError as e:
             log.warning(f"squeue: {e}; asking again later")
-            return False
+            return
         if states is None:
-            return False
-        changed = False
+            return
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                changed = True
                 if result_file(self.directory, idx).exists():
                     self._collect(by_idx[idx])
                 elif idx in self.ending:
@@ -263,24 +286,23 @@ class _Sweep:
             before = self.shown.get(idx)
             if before == now:
                 continue
-            changed = True
             self.shown[idx] = now
             title = f"job #{idx} (SLURM job {slurm_id})"
             if state.state == "RUNNING":
                 self.report.started(idx)  # its time counts from here
-                log.info(f"{title} started on {state.nodes}")
+                again = idx in self.ran  # a run of it ended before: SLURM requeued it
+                self.ran.add(idx)
+                log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
             elif state.state == "PENDING":
                 reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
-                requeued = before is not None and before[0] != "PENDING"
-                log.info(f"{title} is {'requeued: pending' if requeued else 'pending'}{reason}")
+                log.info(f"{title} is {'requeued: pending' if idx in self.ran else 'pending'}{reason}")
             else:
                 log.info(f"{title} is {state.state.lower()}")
-        return changed
 
-    def _collect(self, plan: JobPlan) -> None:
-        """The job's result, as its node 0 wrote it."""
+    def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
+        """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
         idx = plan.idx
-        path = result_file(self.directory, idx)
+        path = path or result_file(self.directory, idx)
         try:
             job_return: JobReturn = cloudpickle.loads(read_private(path))
         except Exception as e:  # a result that cannot be read is the job's failure, said so
@@ -298,6 +320,10 @@ class _Sweep:
 
     def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is."""
+        failed_first = failure_file(self.directory, plan.idx)
+        if failed_first.exists():  # a node recorded why before SLURM ended the job
+            self._collect(plan, failed_first)
+            return
         out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
         reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
         self._end(
