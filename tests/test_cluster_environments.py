@@ -257,6 +257,18 @@ def test_one_mpi_process_is_single_node_and_cluster_mpi_outside_mpirun_is_an_err
         detect("mpi", {})
 
 
+@pytest.mark.parametrize("drop", ["OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"])
+def test_half_of_an_mpi_jobs_variables_is_refused_not_run_single_node(drop):
+    environ = {k: v for k, v in open_mpi(1).items() if k != drop}
+    with pytest.raises(LauncherConfigError, match=rf"^OMPI_COMM_WORLD_\w+ is set but {drop} is not") as e:
+        resolve_cluster(settings(), environ)
+    assert "cluster=none to ignore MPI" in str(e.value) and "\n" not in str(e.value)
+    note = inspect_environment("none", environ).note
+    assert note.startswith("an Open MPI job (OMPI_COMM_WORLD_") and note.endswith(
+        "ignored (hydra.launcher.cluster=none)"
+    )
+
+
 def test_a_bad_mpi_variable_names_it():
     with pytest.raises(LauncherConfigError, match=r"^OMPI_COMM_WORLD_RANK=2 is not a rank of"):
         detect("auto", open_mpi(2))
@@ -324,6 +336,15 @@ def test_bad_lsf_variables_name_the_variable(tmp_path, change, line):
     with pytest.raises(LauncherConfigError, match=line) as e:
         detect("auto", {**jsrun_task(tmp_path, 0), **change})
     assert "cluster=none" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_jsrun_task_without_its_lsf_job_is_refused_not_run_single_node(tmp_path):
+    environ = {k: v for k, v in jsrun_task(tmp_path, 1).items() if k != "LSB_JOBID"}
+    with pytest.raises(
+        LauncherConfigError, match=r"^JSM_NAMESPACE_SIZE is set \(a jsrun task\) but LSB_JOBID is not"
+    ):
+        resolve_cluster(settings(), environ)
+    assert inspect_environment("none", environ).note.startswith("a jsrun task (JSM_NAMESPACE_SIZE=2)")
 
 
 def test_a_rank_file_with_only_the_launch_node_is_refused(tmp_path):

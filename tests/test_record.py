@@ -19,6 +19,7 @@ from typing import List
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 
 from tests.conftest import assert_gone, wait_for
 
@@ -88,27 +89,24 @@ def test_rerun_sh_and_the_torchrun_line_reproduce_the_job_and_run_no_config_valu
     hydra_yaml = (rerun_dir / "0" / ".hydra" / "hydra.yaml").read_text()
     assert "config_name: single" in hydra_yaml, hydra_yaml
     assert (rerun_dir / "0" / "rank1.txt").read_text() == "2 job0 0.5\n"
-    note_value = (rerun_dir / "0" / ".hydra" / "config.yaml").read_text()
-    assert "touch" in note_value, note_value  # the value itself reached the task, as data
+    note_value = OmegaConf.load(rerun_dir / "0" / ".hydra" / "config.yaml").note
+    assert note_value == f"x\ntouch {pwned} #", note_value  # the value itself reached the task, as data
 
-    # the plain torchrun line of the header: Hydra's run mode in every rank, the same config
-    line = next(line for line in header if "torchrun --nnodes" in line)
-    command = shlex.split(line.lstrip("# "))
+    # the plain torchrun line of the header, pasted into bash as it is: Hydra's run mode in every
+    # rank, the same config, the value with its newline exactly (bash's $'...' keeps it one line)
+    line = next(line for line in header if "torchrun --nnodes" in line).lstrip("# ")
+    command = shlex.split(line.replace("$'", "'"))  # what the line holds, roughly, to check flags
     assert "--config-name=single" in command and "hydra.mode=RUN" in command, command
     for rank in (0, 1):
         (job_dir / f"rank{rank}.txt").unlink()
     torchrun = subprocess.run(
-        [c.replace("\\n", "\n") for c in command],
-        cwd=app_dir,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ["bash", "-c", line], cwd=app_dir, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     assert not pwned.exists()
     for rank in (0, 1):
         assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"
+    assert OmegaConf.load(job_dir / ".hydra" / "config.yaml").note == f"x\ntouch {pwned} #"
     # no nested sweep started in the job dir
     assert not list(job_dir.glob("*/rank0.txt")), list(job_dir.iterdir())
 
@@ -184,6 +182,19 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     assert [j["return_value"] for j in _summary(app_dir / "sweep")] == [10.0, 20.0]
 
 
+def test_a_module_the_task_imports_as_it_runs_counts_in_what_it_computes(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1"]
+    assert _run(app_dir, *sweep, TASK="c").returncode == 0
+    same = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    assert same.returncode == 0 and "1 completed job(s) come from its record (#0)" in same.stdout, same.stdout
+    late = app_dir / "late_helper.py"
+    late.write_text(late.read_text().replace("lr + 1", "lr + 2"))
+    changed = _run(app_dir, *sweep, "hydra.launcher.resume=true", TASK="c")
+    assert changed.returncode == 1, changed.stdout
+    assert "records another sweep (job #0's task code" in _error(changed.stdout), changed.stdout
+
+
 def test_the_summary_describes_the_sweep_that_ran_in_strict_json(tmp_path: Path) -> None:
     app_dir = _install(tmp_path, RECORD_APP)
     assert _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3").returncode == 0
@@ -237,8 +248,9 @@ class _Launcher:
 
 def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_002(tmp_path: Path) -> None:
     app_dir = _install(tmp_path, PREEMPT_APP)
-    # jobs long enough for a second launcher to start and be refused while job 1 runs
-    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=40", "step_s=0.3"]
+    # jobs long enough for a second launcher to start and be refused while job 1 runs; rank 0
+    # checkpoints every 2 steps, as long trainings do
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=40", "step_s=0.3", "checkpoint_every=2"]
     first = _Launcher(app_dir, *sweep, umask=0o002)
     first.wait_for_text("\t#1 : lr=0.2")
 
@@ -252,21 +264,51 @@ def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_
     ), second.stdout
     assert "[default0]" not in second.stdout
 
-    # the first one is killed hard (an OOM killer, a node lost) while job 1 runs
-    assert "rank 0: done, 40 steps" not in first.text().split("\t#1 : lr=0.2")[1], first.text()
+    # the first one is killed hard (an OOM killer, a node lost) while job 1 runs, after a checkpoint
+    first.wait_for_text("[default0]:rank 0: step 3", after="\t#1 : lr=0.2")
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "RUNNING"]
     children = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(timeout=60)
     assert_gone(children)
+    saved = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
+    assert saved >= 2
 
     # its lock does not block; the unfinished sweep resumes, job 0 from the record (0600
-    # pickle in a group-writable job dir under umask 002)
+    # pickle in a group-writable job dir under umask 002), job 1 from its checkpoint
     assert (app_dir / "sweep" / "0" / ".hydra").stat().st_mode & 0o020
     code, out = _Launcher(app_dir, *sweep, umask=0o002).end()
     assert code == 0, out
-    assert "1 completed job(s) come from its record (#0)" in out, out
-    assert "ended: #1 : lr=0.2" in out and out.count("rank 0: done, 40 steps from 0") == 1, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
+    assert f"[default0]:rank 0: resumed at step {saved}" in out, out
+    assert f"rank 0: done, 40 steps from {saved}" in out and "steps from 0" not in out, out
+    assert "job 1 of 1 ended: #1 : lr=0.2 steps=40 step_s=0.3 checkpoint_every=2 : COMPLETED" in out, out
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+
+def test_a_sweep_stopped_with_sigterm_continues_its_job_from_the_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C or SIGTERM (a scheduler's kill) mid-job: the same command continues the job in its
+    job dir with `resumed()` True; a job that failed, or that is rerun afresh, is not resumed."""
+    app_dir = _install(tmp_path, PREEMPT_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "steps=30", "step_s=0.2", "checkpoint_every=2"]
+    first = _Launcher(app_dir, *sweep)
+    first.wait_for_text("[default0]:rank 0: step 3", after="\t#1 : lr=0.2")
+    first.proc.send_signal(signal.SIGTERM)
+    code, out = first.end()
+    assert code != 0, out
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "STOPPED"], out
+    saved = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
+
+    code, out = _Launcher(app_dir, *sweep).end()
+    assert code == 0, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
+    assert f"[default0]:rank 0: resumed at step {saved}" in out, out
+    assert "without a checkpoint" not in out, out
+
+    # the finished sweep, run again, is a new run: its jobs start afresh, not resumed
+    code, out = _Launcher(app_dir, *sweep).end()
+    assert code == 0, out
+    assert "rank 0: resumed" not in out and out.count("rank 0: done, 30 steps from 0") == 2, out
 
 
 def _preempt_job_1(app_dir: Path, *extra: str, **env: str) -> str:
@@ -285,7 +327,7 @@ def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: P
     (app_dir / "sweep").rename(app_dir / "moved")
     code, out = _Launcher(app_dir, "-m", "hydra.sweep.dir=moved", "lr=0.1,0.2").end()
     assert code == 0, out
-    assert "1 completed job(s) come from its record (#0), 1 preempted job(s) continue (#1)" in out, out
+    assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
     assert f"[default0]:rank 0: resumed at step {stopped_at}" in out, out
 
     # preempted again, then resumed with another hydra.sweep.subdir: no checkpoint there
@@ -350,7 +392,15 @@ def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
 
 
-@pytest.mark.parametrize("stop_at, batch", [("0", []), ("1", ["hydra.sweeper.max_batch_size=1"])])
+@pytest.mark.parametrize(
+    "stop_at, batch",
+    [
+        # while the sweeper validates its batch, before the launcher's first launch
+        ("validate", ["hydra.job.config.override_dirname.kv_sep=${stop_at:validate}"]),
+        ("0", []),
+        ("1", ["hydra.sweeper.max_batch_size=1"]),
+    ],
+)
 def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     tmp_path: Path, stop_at: str, batch: List[str]
 ) -> None:
@@ -364,14 +414,23 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     last = stopped.stdout.strip().splitlines()[-1]
     assert last.startswith("[torchrun launcher] SIGUSR2: the sweep was preempted: "), stopped.stdout
     assert "To resume it, run the same command with hydra.sweep.dir=sweep" in last, stopped.stdout
-    done = [] if stop_at == "0" else ["train_a lr=0.1"]
+    done = ["train_a lr=0.1"] if stop_at == "1" else []
     assert _ranks_ran(stopped.stdout) == done, stopped.stdout
 
     resumed = _run(app_dir, *sweep, STOP_AT=stop_at, STOP_ONCE=once)
     assert resumed.returncode == 0, resumed.stdout
-    todo = ["train_a lr=0.1", "train_a lr=0.2"] if stop_at == "0" else ["train_a lr=0.2"]
+    todo = ["train_a lr=0.2"] if stop_at == "1" else ["train_a lr=0.1", "train_a lr=0.2"]
     assert _ranks_ran(resumed.stdout) == todo, resumed.stdout
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+
+def test_sigusr1_as_the_stop_signal_is_taken_with_one_warning(tmp_path: Path) -> None:
+    app_dir = _install(tmp_path, RECORD_APP)
+    result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.launcher.stop_signal=SIGUSR1")
+    assert result.returncode == 0, result.stdout
+    warning = "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1"
+    assert result.stdout.count(warning) == 1, result.stdout
+    assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
 
 
 @pytest.mark.parametrize("key", ["job_timeout", "stop_timeout"])

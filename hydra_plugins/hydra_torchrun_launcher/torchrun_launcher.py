@@ -40,6 +40,12 @@ class TorchrunLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        if self.notice is None:
+            # the stop signal is a notice from now on, for the whole sweep: one that comes while
+            # the sweeper validates its first batch ends the sweep preempted, not killed
+            from ._launcher.preempt import sweep_notice, sweep_stop_signal
+
+            self.notice = sweep_notice(None, sweep_stop_signal(config), hydra_context.callbacks)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._launcher.preload import preload_modules
@@ -60,6 +66,19 @@ class TorchrunLauncher(Launcher):
 class TorchrunSlurmLauncher(TorchrunLauncher):
     """`hydra/launcher=torchrun_slurm`: each job submitted to SLURM from a login node, one
     task per node running the job's elastic agent there (`_submit.submit`)."""
+
+    def setup(
+        self,
+        *,
+        hydra_context: HydraContext,
+        task_function: TaskFunction,
+        config: DictConfig,
+    ) -> None:
+        # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
+        # launcher on a login node keeps its default dispositions
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._submit import submit

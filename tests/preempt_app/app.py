@@ -37,16 +37,24 @@ def train(cfg: DictConfig) -> dict:
         dist.all_reduce(total)
         step += 1
         print(f"rank {rank}: step {step}", flush=True)
+        if rank == 0 and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            _save(checkpoint, step)
         if not cfg.get("ignore_stop") and preemption.should_stop():
             print(f"rank {rank}: stopping after step {step}", flush=True)
             if rank == 0:
-                with open(checkpoint, "w") as f:
-                    json.dump({"step": step}, f)
+                _save(checkpoint, step)
             dist.destroy_process_group()
             return {"stopped_at": step}
     print(f"rank {rank}: done, {step} steps from {start}, pid {os.getpid()}", flush=True)
     dist.destroy_process_group()
     return {"lr": cfg.lr, "steps": step, "from": start}
+
+
+def _save(checkpoint: str, step: int) -> None:
+    """Written whole: a launcher killed at any moment leaves the last checkpoint readable."""
+    with open(checkpoint + ".tmp", "w") as f:
+        json.dump({"step": step}, f)
+    os.replace(checkpoint + ".tmp", checkpoint)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """A one-rank app whose sweeps the record tests run twice, changing one thing in between.
 
-The task is chosen by TASK (`a` or `b`: two functions of this file), calls the project's
+The task is chosen by TASK (`a`, `b` or `c`: functions of this file; `c` imports a module of
+the project inside its body), calls the project's
 own `helper` module, and fails on the job whose lr equals FAIL_AT (an outside cause that
 goes away: the same sweep, resumed, retries it).
 """
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import helper
@@ -30,23 +32,45 @@ def train_b(cfg: DictConfig) -> float:
     return -helper.scale(cfg.lr)
 
 
+def train_c(cfg: DictConfig) -> float:
+    from late_helper import shift  # imported as the task runs, not when the app starts
+
+    print(f"rank {os.environ['RANK']}: train_c lr={cfg.lr}", flush=True)
+    return shift(cfg.lr)
+
+
 _LAUNCHER_PID = os.getpid()
 
 
 def _stop_at(num: str) -> str:
     """Resolved when the launcher composes a job (its env_set): sends the launcher its stop
     signal, once, while it composes job number STOP_AT (as a preemption notice
-    that comes at that moment would)."""
+    that comes at that moment would). `${stop_at:validate}` (in a key Hydra reads as it
+    composes, such as the override_dirname separators) does it while the sweeper validates
+    its first batch, before it launches any."""
     once = Path(os.environ.get("STOP_ONCE", "stopped_once"))
-    if os.getpid() == _LAUNCHER_PID and str(num) == os.environ.get("STOP_AT") and not once.exists():
+    at = os.environ.get("STOP_AT")
+    if at == "validate" and not _validating():
+        return "0"
+    if os.getpid() == _LAUNCHER_PID and str(num) == at and not once.exists():
         once.touch()
         os.kill(os.getpid(), signal.SIGUSR2)
     return "0"
 
 
+def _validating() -> bool:
+    """Whether Hydra's sweeper is validating a batch (composing its jobs) right now."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "validate_batch_is_legal":
+            return True
+        frame = frame.f_back
+    return False
+
+
 OmegaConf.register_new_resolver("stop_at", _stop_at)
 
-TASK = {"a": train_a, "b": train_b}[os.environ.get("TASK", "a")]
+TASK = {"a": train_a, "b": train_b, "c": train_c}[os.environ.get("TASK", "a")]
 
 if __name__ == "__main__":
     hydra.main(**VERSION_BASE, config_path=".", config_name="config")(TASK)()

@@ -29,7 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
 from .._shared.plan import JobPlan, stop_signal_of
-from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
+from .._shared.stop_files import RANKS_STARTED_ENV, RANKS_STARTED_FILE, RESUMED_ENV, STOP_FILE_ENV
 from . import preempt
 from .console import RankConsole
 from .failures import JobFailedError, job_error, stops_interrupt
@@ -91,6 +91,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             os.environ[STOP_FILE_ENV] = str(private_dir / "stop")
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
+        os.environ[RANKS_STARTED_ENV] = str(plan.output_dir / RANKS_STARTED_FILE)
         os.environ.update(agent_environment(plan.settings))
         stop_forkserver = (
             start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))

@@ -16,18 +16,28 @@ from .._shared.errors import LauncherConfigError
 from .cluster_layout import ClusterLayout, Detection, derived_port, int_var
 
 _IGNORE = "set hydra.launcher.cluster=none to ignore LSF"
+_JSM_VARS = ("JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK")
 _START = "`jsrun -n <nodes> -r 1 -a 1 -c ALL_CPUS -g ALL_GPUS python app.py --multirun ...`"
 
 
 def present(environ: Mapping[str, str]) -> Optional[str]:
-    """A few words naming the LSF job this process runs in, or None."""
-    return f"LSF job {environ['LSB_JOBID']}" if environ.get("LSB_JOBID") else None
+    """A few words naming the LSF job (or jsrun task) this process runs in, or None."""
+    if environ.get("LSB_JOBID"):
+        return f"LSF job {environ['LSB_JOBID']}"
+    jsm = next((name for name in _JSM_VARS if environ.get(name)), None)
+    return f"a jsrun task ({jsm}={environ[jsm]})" if jsm else None
 
 
 def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
     """The layout of the jsrun step this launcher is a task of; `required` (cluster: lsf):
     not being one is an error."""
     job_id = environ.get("LSB_JOBID", "")
+    jsm = next((name for name in _JSM_VARS if environ.get(name)), None)
+    if jsm and not job_id:
+        raise LauncherConfigError(
+            f"{jsm} is set (a jsrun task) but LSB_JOBID is not: the LSF job every node derives its "
+            f"rendezvous from is unknown; {_IGNORE}"
+        )
     if not job_id or not environ.get("JSM_NAMESPACE_SIZE"):
         where = (
             f"LSF job {job_id} but no jsrun task (JSM_NAMESPACE_SIZE is not set)" if job_id else "no LSF job"

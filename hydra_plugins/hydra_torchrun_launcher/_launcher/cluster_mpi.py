@@ -33,7 +33,10 @@ def present(environ: Mapping[str, str]) -> Optional[str]:
     if environ.get("JSM_NAMESPACE_SIZE"):
         return None
     family = _family(environ)
-    return f"an {family[0]} job ({family[2]}={environ[family[2]]})" if family else None
+    if family is None:
+        return None
+    shown = family[2] if environ.get(family[2]) else family[1]
+    return f"an {family[0]} job ({shown}={environ[shown]})"
 
 
 def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
@@ -48,6 +51,12 @@ def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
             )
         return Detection(None, None)
     name, rank_var, size_var, local_var = family
+    for given, missing in ((rank_var, size_var), (size_var, rank_var)):
+        if not environ.get(missing):
+            raise LauncherConfigError(
+                f"{given} is set but {missing} is not: half of an {name} job's variables; "
+                "set hydra.launcher.cluster=none to ignore MPI"
+            )
     size = int_var(environ, size_var, "MPI")
     rank = int_var(environ, rank_var, "MPI")
     if not 0 <= rank < size:
@@ -81,4 +90,5 @@ def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
 
 
 def _family(environ: Mapping[str, str]) -> Optional[tuple]:
-    return next((family for family in _FAMILIES if environ.get(family[2])), None)
+    """The MPI family whose world rank or size is set (one without the other is refused)."""
+    return next((family for family in _FAMILIES if environ.get(family[1]) or environ.get(family[2])), None)

@@ -32,12 +32,13 @@ from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
-from .._shared.signals import ignored_group_signals, signals_named
+from .._shared.signals import ignored_group_signals
+from .._shared.stop_files import RANKS_STARTED_FILE
 from .cluster import resolve_cluster
 from .lock import hold_sweep_lock, holder
 from .node_agreement import agree_on_resumption, waiting_for_nodes
 from .pool import SweepStopped, react_to_stop, run_jobs
-from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice
+from .preempt import StopNotice, StoppedBeforeJobs, end_preempted, sweep_notice, sweep_stop_signal
 from .preload import varying_variables
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import dry_run_plan, write_rerun_script
@@ -95,19 +96,26 @@ def launch(
     configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
     sweep_key = str(sweep_dir.resolve())
-    dry_run = OmegaConf.select(launcher.config, "hydra.launcher.dry_run", throw_on_resolution_failure=False)
-    # from the first launch on, for the whole sweep: a notice while jobs are composed or
-    # between a sweeper's batches ends the sweep preempted, as one while jobs run does
-    signum = None if dry_run is True else _sweep_stop_signal(launcher.config)
-    notice = launcher.notice = sweep_notice(launcher.notice, signum, launcher.hydra_context.callbacks)
-    if notice.received and launcher.report is not None:
-        launcher.report.interrupted = True
-        launcher.report.write()
-        conf = launcher.config.hydra.launcher
-        _end_preempted(notice, "no job of the next batch had started", sweep_dir, conf)
+    # installed at the launcher's setup, for the whole sweep: a notice while jobs are composed
+    # or between a sweeper's batches ends the sweep preempted, as one while jobs run does
+    notice = launcher.notice = sweep_notice(
+        launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
+    )
+    if notice.received:
+        if launcher.report is not None:
+            launcher.report.interrupted = True
+            launcher.report.write()
+        started = "no job of the next batch had started" if launcher.report else "no job had started"
+        _end_preempted(notice, started, sweep_dir, launcher.config.hydra.launcher)
 
     composed = compose_plans(launcher, job_overrides, initial_job_idx, sweep_key, _checked_settings)
     plans, configs, task_error = composed.plans, composed.configs, composed.task_error
+    if plans and plans[0].payload.stop_signal == signal.SIGUSR1:
+        log.warning(
+            "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1 in the ranks' processes for "
+            "its own debugging dumps (NCCL_PROXY_DUMP_SIGNAL, torch's NCCL flight recorder); "
+            "SIGUSR2 is the stop signal nothing else uses"
+        )
     if not plans:
         return []
     parallel_jobs, devices = _sweep_wide(plans)
@@ -165,15 +173,6 @@ def compose_plans(
     for note in sorted(n for n in notes if n):
         log.info(note)
     return ComposedSweep(plans, configs, task_error)
-
-
-def _sweep_stop_signal(config: DictConfig) -> Optional[int]:
-    """The sweep's `stop_signal` before any job is composed; None when it is off or not one
-    signal (each job's check then refuses it, naming the job)."""
-    raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
-    named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
-    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
-    return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
 def _run_plans(
@@ -260,6 +259,8 @@ def _run_plans(
         log.info(f"\t{job_title(plan.idx, plan.overrides)}{on}")
         if writes:
             write_rerun_script(plan, configs[plan.idx], job_devices)
+            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
+                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
         report.started(plan.idx)
 
     def on_end(plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
@@ -269,7 +270,7 @@ def _run_plans(
         elif status == PREEMPTED:
             notice.received = True  # on a node that got no signal, its job tells it
         # a checkpoint may be in the job dir when its ranks ran now, or in the run resumed
-        ranks_ran = plan.resumed or _ranks_ran(job_return)
+        ranks_ran = plan.resumed or (plan.output_dir / RANKS_STARTED_FILE).exists()
         report.ended(plan.idx, job_return, status, ranks_ran)
 
     shown_dir = shown_path(str(sweep_dir))
@@ -309,12 +310,6 @@ def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any)
     """The sweep ends preempted (`_launcher.preempt.end_preempted`)."""
     assert notice.signum is not None
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
-
-
-def _ranks_ran(job_return: JobReturn) -> bool:
-    """Whether the job's ranks ran: any end but a preemption before they started."""
-    value = job_return._return_value
-    return not isinstance(value, JobPreempted) or value.ranks_ran
 
 
 def _status_of(job_return: JobReturn, stopped: bool) -> str:

@@ -1,6 +1,7 @@
 """The launcher's side of a preemption: the stop signal, the end of the sweep, the requeue.
 
-From the sweep's first launch to its end (Hydra's `on_multirun_end`, or the process's
+From the launcher's `setup` (before the sweeper validates and launches its first batch) to
+the sweep's end (Hydra's `on_multirun_end`, or the process's
 exit), the launcher's `stop_signal` (SIGUSR2 unless configured; SLURM's
 `--signal=USR2@120` sends it to every srun task, i.e. to the launcher on every node) is a
 notice, not a kill: it is passed on to every running job's process (`_job.preempt`), whose
@@ -22,8 +23,9 @@ from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
-from .._shared.signals import group_signals, handled_by
+from .._shared.signals import group_signals, handled_by, signals_named
 
 _SCONTROL_TIMEOUT_S = 60
 
@@ -76,6 +78,17 @@ class StopNotice:
         listening, self._listening = getattr(self, "_listening", None), None
         if listening is not None:
             listening.__exit__(None, None, None)
+
+
+def sweep_stop_signal(config: DictConfig) -> Optional[int]:
+    """The sweep's `stop_signal` before any job is composed; None when it is off, for a dry
+    run, or not one signal (each job's check then refuses it, naming the job)."""
+    if OmegaConf.select(config, "hydra.launcher.dry_run", throw_on_resolution_failure=False) is True:
+        return None
+    raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
+    named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
+    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
+    return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
 # the notices installed, by the token their release callback holds

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
 COMPLETED, FAILED, STOPPED, NOT_STARTED = "COMPLETED", "FAILED", "STOPPED", "NOT_STARTED"
+# started and not ended yet; in a record read later: the launcher died while the job ran
+RUNNING = "RUNNING"
 # stopped by the stop signal (a preemption notice): it continues when the sweep resumes
 PREEMPTED = "PREEMPTED"
 _CELL_WIDTH = 60
@@ -93,6 +95,9 @@ class SweepReport:
         self.writes = True
         self._started: Dict[int, float] = {}
         self._batch: List[int] = []
+        # of this batch: the jobs that run now (not from the record), and those that have ended
+        self._to_run: List[int] = []
+        self._ended: List[int] = []
 
     def launching(self, jobs: Sequence[Any], done: Sequence[int] = (), preempted: Sequence[int] = ()) -> None:
         """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`; those of
@@ -100,6 +105,8 @@ class SweepReport:
         outcome stays the record's until they end in this run (killed before, they still
         resume)."""
         self._batch = [job.idx for job in jobs]
+        self._to_run = [job.idx for job in jobs if job.idx not in done]
+        self._ended = []
         for job in jobs:
             subdir = os.path.relpath(job.output_dir, self.sweep_dir)
             if job.idx in done or job.idx in preempted:
@@ -128,7 +135,11 @@ class SweepReport:
         self.write()
 
     def started(self, num: int) -> None:
+        """The job starts: RUNNING in the summary file until it ends, so that a record left by
+        a launcher that died (kill -9, a node failure) says the job did not end."""
         self._started[num] = time.monotonic()
+        self.outcomes[num].status = RUNNING
+        self.write()
 
     def ended(self, num: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
         """Record the job's outcome (`status`: one of this module's; `ranks_ran`: its ranks
@@ -145,9 +156,9 @@ class SweepReport:
             outcome.return_value = None
             outcome.error = failure_summary(job_return._return_value)
         self.write()
-        ended = sum(1 for n in self._batch if self.outcomes[n].status != NOT_STARTED)
+        self._ended.append(num)
         line = (
-            f"job {ended} of {len(self._batch)} ended: {job_title(num, outcome.overrides)} : "
+            f"job {len(self._ended)} of {len(self._to_run)} ended: {job_title(num, outcome.overrides)} : "
             f"{outcome.status} in {outcome.duration_s:.2f}s"
         )
         if outcome.status == COMPLETED:
@@ -201,7 +212,7 @@ class SweepReport:
     def stop_summary(self) -> str:
         """One line after a stop: which jobs finished, which were stopped, where their logs are."""
         parts = []
-        for status in (COMPLETED, FAILED, PREEMPTED, STOPPED, NOT_STARTED):
+        for status in (COMPLETED, FAILED, PREEMPTED, STOPPED, RUNNING, NOT_STARTED):
             nums = [n for n in self._batch if self.outcomes[n].status == status]
             if not nums:
                 continue

@@ -9,7 +9,9 @@ also what a dry run prints, and names the settings such a line cannot express.
 
 Nothing from a config is ever run as shell code: values reach a command only through
 `shlex.quote`, and every comment line is made one line (a newline in an override would end
-the comment and start a command), whatever the value holds. Paths go to Hydra's override
+the comment and start a command), whatever the value holds. The torchrun line itself
+quotes a value with a newline or another control character as bash's `$'...'`, so that it
+stays one line and, pasted into bash, passes the value exactly. Paths go to Hydra's override
 parser quoted for its grammar when they are not plain ASCII words.
 """
 
@@ -46,6 +48,22 @@ def comment(text: str) -> str:
     """`text` as one line of a shell comment: control characters (a newline above all, which
     would end the comment and make the rest a command) are shown escaped (`\\n`)."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def bash_word(word: str) -> str:
+    """`word` as one bash word on one line: `shlex.quote` where it has no control character,
+    else bash's ANSI-C quoting (`$'a\\nb'`), which bash reads back as the exact value."""
+    if not _CONTROL.search(word):
+        return shlex.quote(word)
+
+    def escaped(char: str) -> str:
+        if char in "\\'":
+            return "\\" + char
+        if _CONTROL.fullmatch(char):
+            return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+        return char
+
+    return "$'" + "".join(escaped(c) for c in word) + "'"
 
 
 def config_options(argv: Optional[List[str]] = None) -> List[str]:
@@ -198,14 +216,14 @@ def plain_torchrun_line(
     env = job_environment(plan, devices)
     cd = ""
     if conf.training_script is not None:
-        job_dir = shlex.quote(str(plan.output_dir))
+        job_dir = bash_word(str(plan.output_dir))
         cd = f"mkdir -p {job_dir} && cd {job_dir} && "
         if conf.module:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
     command, missing = torchrun_command(plan, config)
     shown = [f"{k}={v}" for k, v in env.items()]
-    return cd + shlex.join((["env", *shown] if shown else []) + command), missing
+    return cd + " ".join(bash_word(word) for word in (["env", *shown] if shown else []) + command), missing
 
 
 def write_rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> None:

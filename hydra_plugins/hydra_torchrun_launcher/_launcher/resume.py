@@ -11,15 +11,18 @@ this launch recorded with the same overrides and fingerprint) and says that the 
 did not reach its end (a job preempted, stopped or never started; the run stopped between
 a sweeper's batches), or SLURM restarted the batch job. Then a recorded job is:
 - COMPLETED: not run; its JobReturn (return value included) comes from the record;
-- PREEMPTED: run in its same job dir, with `preemption.resumed()` True when its ranks ran
-  there before;
-- anything else (FAILED, STOPPED, NOT_STARTED): run.
+- stopped before it ended (PREEMPTED by the stop signal; STOPPED by Ctrl-C or SIGTERM;
+  RUNNING when the launcher died with it, kill -9 or a node failure): run in its same job
+  dir, with `preemption.resumed()` True when its ranks ran there before (the job dir's
+  `.hydra/ranks_started` says so: it outlasts a launcher killed with -9);
+- FAILED or NOT_STARTED: run, afresh.
 A FINISHED record (every job completed or failed) is a new run: every job runs again, with
 one line. `true` resumes a record of the same sweep, finished or not (an error if there is
 none); `false` runs every job. What cannot be trusted (a record that cannot be read, a
 truncated or foreign pickle) runs again, with one line.
 """
 
+import dis
 import hashlib
 import inspect
 import json
@@ -39,12 +42,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
+from .._shared.stop_files import RANKS_STARTED_FILE
 from .durable import replace_whole
-from .report import COMPLETED, PREEMPTED, SUMMARY_FILE, JobOutcome, Record, strict_json
+from .report import COMPLETED, PREEMPTED, RUNNING, STOPPED, SUMMARY_FILE, JobOutcome, Record, strict_json
 
 log = logging.getLogger(__name__)
 
 RETURN_FILE = Path(".hydra") / "job_return.pkl"
+# jobs stopped before they ended: they continue in their job dir
+_CONTINUING = (PREEMPTED, STOPPED, RUNNING)
 # launcher keys that say how and where the sweep runs, not what a job computes
 _NOT_FINGERPRINTED = (
     "resume",
@@ -76,7 +82,8 @@ class Resumption:
     recorded: Dict[int, JobOutcome] = field(default_factory=dict)
     # completed jobs and their JobReturns, from the record
     completed: Dict[int, JobReturn] = field(default_factory=dict)
-    # preempted jobs: they continue in their job dir
+    # jobs stopped before they ended (preempted, stopped, running when the launcher died):
+    # they continue in their job dir
     preempted: Set[int] = field(default_factory=set)
 
 
@@ -159,7 +166,7 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, 
             returned = load_return(job_dir_of(sweep_dir, outcome), num)
             if returned is not None:
                 found.completed[num] = returned
-        elif outcome.status == PREEMPTED:
+        elif outcome.status in _CONTINUING:
             found.preempted.add(num)
     return found
 
@@ -170,8 +177,11 @@ def job_dir_of(sweep_dir: Path, outcome: JobOutcome) -> Path:
 
 
 def continues_in_place(sweep_dir: Path, outcome: JobOutcome, output_dir: Path) -> bool:
-    """Whether a preempted job resumes: its ranks ran before, in the dir it runs in now."""
-    return outcome.ranks_ran and os.path.relpath(output_dir, sweep_dir) == outcome.subdir
+    """Whether a stopped job resumes: its ranks ran before, in the dir it runs in now (the
+    record says so, or, for a job whose launcher died with it, the mark its ranks left)."""
+    if os.path.relpath(output_dir, sweep_dir) != outcome.subdir:
+        return False
+    return outcome.ranks_ran or (output_dir / RANKS_STARTED_FILE).is_file()
 
 
 def _slurm_restarted(environ: Mapping[str, str]) -> bool:
@@ -187,7 +197,7 @@ def log_resumption(sweep_dir: Path, found: Resumption) -> None:
     log.info(
         f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
         f"{len(done)} completed job(s) come from its record{_listed(done)}, "
-        f"{len(found.preempted)} preempted job(s) continue{_listed(sorted(found.preempted))} "
+        f"{len(found.preempted)} unfinished job(s) continue{_listed(sorted(found.preempted))} "
         "(hydra.launcher.resume=false runs every job again)"
     )
 
@@ -215,7 +225,8 @@ def task_digest(task_function: Any) -> str:
             continue
         _digest_value(digest, value)
     _digest_value(digest, (getattr(target, "__defaults__", None), getattr(target, "__kwdefaults__", None)))
-    for name, path in _project_modules(_source_file(target)):
+    task_file = _source_file(target)
+    for name, path in _project_modules(task_file, _imported_by(code) if code is not None else set()):
         digest.update(f"\n{name}\n".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -249,14 +260,56 @@ def _digest_value(digest: Any, value: Any) -> None:
     digest.update(data)
 
 
-def _project_modules(task_file: Optional[str]) -> List["tuple[str, Path]"]:
-    """The imported modules whose source lies below the task's directory (the app and the
-    project's own modules), not those of installed packages or of Python itself."""
+def _imported_by(code: Any) -> Set[str]:
+    """The modules the task's own code imports as it runs (`import x.y`, `from x import y`:
+    `x`, `x.y`), its nested functions' included; read from the bytecode, nothing imported.
+    Relative imports are left out: a script's task has no package to be relative to."""
+    names: Set[str] = set()
+    module = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "IMPORT_NAME":
+            module = str(instruction.argval)
+            names.add(module)
+        elif instruction.opname == "IMPORT_FROM" and module:
+            names.add(f"{module}.{instruction.argval}")
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _imported_by(const)
+    return names
+
+
+def _module_file(name: str, roots: Sequence[str]) -> Optional[str]:
+    """Where module `name` would be found below one of `roots` (the import path's entries
+    below the task's directory), without importing it; None when it is not there."""
+    relative = os.path.join(*name.split("."))
+    for root in roots:
+        for candidate in (relative + ".py", os.path.join(relative, "__init__.py")):
+            path = os.path.join(root, candidate)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def _project_modules(
+    task_file: Optional[str], imported_later: Iterable[str] = ()
+) -> List["tuple[str, Path]"]:
+    """The modules whose source lies below the task's directory (the app and the project's
+    own modules), not those of installed packages or of Python itself: those imported now,
+    and those of `imported_later` (imported by the task's body as it runs) found there."""
     if task_file is None:
         return []
     root = os.path.dirname(task_file) + os.sep
     installed = tuple({os.path.join(p, "") for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
     found = []
+    roots = [
+        entry
+        for entry in (os.path.abspath(e or os.curdir) for e in sys.path)
+        if os.path.join(entry, "").startswith(root) and not os.path.join(entry, "").startswith(installed)
+    ]
+    for name in sorted(set(imported_later) - set(sys.modules)):
+        path = _module_file(name, roots)
+        if path is not None and "site-packages" not in path.split(os.sep):
+            found.append((name, Path(path)))
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         if not isinstance(path, str) or not path.endswith(".py"):

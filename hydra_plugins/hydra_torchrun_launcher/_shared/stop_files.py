@@ -7,6 +7,9 @@ a launch prefix, and on every node (each node's job process has its own):
 - `stop.started`: a rank of the job has started (a stop before that interrupts the job's
   rendezvous instead of waiting for ranks that never run);
 - `stop.seen`: a rank's `should_stop()` said True: the job stopped at a step boundary.
+One more lives in the job dir, where it outlasts the job's process (a launcher killed with
+-9 takes its jobs with it): `.hydra/ranks_started`, made as the job's first rank starts, so a
+resumed sweep knows that the job's ranks ran there (and may have left a checkpoint).
 Imports nothing heavy: the rank-side API and `_rank.main`'s exec stage use it.
 """
 
@@ -17,6 +20,9 @@ STOP_FILE_ENV = "HYDRA_TORCHRUN_STOP_FILE"
 RESUMED_ENV = "HYDRA_TORCHRUN_RESUMED"
 STARTED = ".started"
 SEEN = ".seen"
+# the job dir's mark that the job's ranks have started there (named to the ranks by env var)
+RANKS_STARTED_FILE = os.path.join(".hydra", "ranks_started")
+RANKS_STARTED_ENV = "HYDRA_TORCHRUN_RANKS_STARTED_FILE"
 
 
 def stop_file() -> Optional[str]:
@@ -39,3 +45,7 @@ def note_rank_started() -> None:
     path = stop_file()
     if path is not None:
         touch(path + STARTED)
+    mark = os.environ.get(RANKS_STARTED_ENV)
+    if mark and not os.path.exists(mark):
+        os.makedirs(os.path.dirname(mark), exist_ok=True)
+        touch(mark)

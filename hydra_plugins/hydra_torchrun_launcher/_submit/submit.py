@@ -34,6 +34,7 @@ from .._launcher.resume import Record, log_resumption, read_record, resumption, 
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
+from .._shared.stop_files import RANKS_STARTED_FILE
 from . import commands
 from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
@@ -196,6 +197,8 @@ class _Sweep:
             groups.setdefault(options[plan.idx], []).append(plan)
             for stale_file in (result_file, failure_file, ranks_ran_file, requeued_file, timeouts_file):
                 stale_file(self.directory, plan.idx).unlink(missing_ok=True)
+            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
+                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
             write_private(
                 request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
             )
@@ -315,7 +318,8 @@ class _Sweep:
             status = PREEMPTED
         else:
             status = FAILED
-        ranks_ran = status != FAILED or ranks_ran_file(self.directory, idx).exists()
+        # as the local launcher tells it: the ranks' own mark in the job dir
+        ranks_ran = (plan.output_dir / RANKS_STARTED_FILE).exists()
         self._end(idx, job_return, status, ranks_ran)
 
     def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
