@@ -19,6 +19,7 @@ setup(
     entry_points={
         "hydra.plugins": [
             "torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher",
+            "torchrun_slurm = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunSlurmLauncher",
         ]
     },
     install_requires=[

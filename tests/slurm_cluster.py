@@ -1,4 +1,4 @@
-"""A real two-node SLURM cluster on this one machine, for the tests.
+"""A real SLURM cluster (two compute nodes, or `nodes`) on this one machine, for the tests.
 
 Debian's `slurmctld`, `slurmd` and `munge`: munged and slurmctld run on the host, each
 slurmd in a network namespace of its own (a veth into a private bridge), with its own
@@ -75,16 +75,18 @@ def _sbin(name: str) -> str:
 
 
 class SlurmCluster:
-    """Two SLURM compute nodes (node1, node2) and a controller; see the module docstring."""
+    """SLURM compute nodes (node1, node2, ...; two unless `nodes` says) and a controller; see the
+    module docstring."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: int = len(NODES)) -> None:
+        self.nodes = tuple(f"node{i}" for i in range(1, nodes + 1))
         self.root = root / "slurm"
         tag = uuid.uuid4().hex[:6]
         self.bridge = f"sbr{tag}"
-        self.namespaces = {node: f"s{tag}{i}" for i, node in enumerate(NODES, 1)}
+        self.namespaces = {node: f"s{tag}{i}" for i, node in enumerate(self.nodes, 1)}
         # a private /24 per cluster, picked from the tag
         self.subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-        self.addresses = {node: f"{self.subnet}.{i}" for i, node in enumerate(NODES, 1)}
+        self.addresses = {node: f"{self.subnet}.{i}" for i, node in enumerate(self.nodes, 1)}
         self.controller_address = f"{self.subnet}.254"
         self.processes: List[subprocess.Popen] = []
         self.env: Dict[str, str] = {}
@@ -111,7 +113,7 @@ class SlurmCluster:
         self._config()
         self.env = dict(os.environ, SLURM_CONF=str(self.root / "slurm.conf"))
         self._start([_sbin("slurmctld"), "-D", "-f", str(self.root / "slurm.conf")], "slurmctld")
-        for node in NODES:
+        for node in self.nodes:
             hosts = self.root / f"hosts.{node}"
             inner = (
                 f"hostname {node} && mount --bind {hosts} /etc/hosts && "
@@ -139,7 +141,7 @@ class SlurmCluster:
         self._run(["ip", "link", "add", self.bridge, "type", "bridge"])
         self._run(["ip", "addr", "add", f"{self.controller_address}/24", "dev", self.bridge])
         self._run(["ip", "link", "set", self.bridge, "up"])
-        for node in NODES:
+        for node in self.nodes:
             ns = self.namespaces[node]
             host_end, node_end = f"{ns}h", f"{ns}n"
             self._run(["ip", "netns", "add", ns])
@@ -150,7 +152,7 @@ class SlurmCluster:
             self._run(["ip", "-n", ns, "link", "set", node_end, "up"])
             self._run(["ip", "-n", ns, "link", "set", "lo", "up"])
             lines = ["127.0.0.1 localhost", f"{self.controller_address} {socket.gethostname()}"]
-            lines += [f"{self.addresses[n]} {n}" for n in NODES]
+            lines += [f"{self.addresses[n]} {n}" for n in self.nodes]
             (self.root / f"hosts.{node}").write_text("\n".join(lines) + "\n")
 
     def _munge(self) -> None:
@@ -181,7 +183,7 @@ class SlurmCluster:
         root = self.root
         (root / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\n")
         nodes = "\n".join(
-            f"NodeName={node} NodeAddr={self.addresses[node]} CPUs=2 State=UNKNOWN" for node in NODES
+            f"NodeName={node} NodeAddr={self.addresses[node]} CPUs=2 State=UNKNOWN" for node in self.nodes
         )
         (root / "slurm.conf").write_text(
             f"""ClusterName=hydratorchrun
@@ -207,7 +209,7 @@ SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/linear
 {nodes}
-PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
         )
 
@@ -224,7 +226,7 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 ["sinfo", "-h", "-o", "%n %t"], env=self.env, capture_output=True, text=True
             )
             states = dict(line.split() for line in result.stdout.splitlines() if line.strip())
-            if all(states.get(node) == "idle" for node in NODES):
+            if all(states.get(node) == "idle" for node in self.nodes):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(

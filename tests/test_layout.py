@@ -1,6 +1,6 @@
 """The package's folders show the process tree a sweep runs as, and its imports keep to it.
 
-    launcher process (_launcher)  ->  warm server (_server)  ->  job process (_job)  ->  rank (_rank)
+    launcher process (_launcher; _submit)  ->  warm server (_server)  ->  job process (_job)  ->  rank (_rank)
 
 plus `_shared`, below them all. A module imports from its own folder or from a process
 below its own, never from one above: what two processes both need belongs lower down. Read
@@ -24,6 +24,10 @@ PUBLIC = {"__init__", "config", "torchrun_launcher", "preemption"}
 HEIGHT = {
     "torchrun_launcher": 5,  # Hydra's Launcher: starts the launcher process's work
     "_launcher": 4,
+    # the launcher process when it submits each job to SLURM (beside `_launcher`, whose
+    # composing, checking and record it reuses), and the task each SLURM node runs, which
+    # hands over to the job process
+    "_submit": 4,
     "_server": 3,
     "_job": 2,
     "_rank": 1,

@@ -7,7 +7,7 @@ checked when a sweep is launched, in `_launcher.settings`.
 """
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
@@ -143,5 +143,121 @@ ConfigStore.instance().store(
     group="hydra/launcher",
     name="torchrun",
     node=asdict(TorchrunLauncherConf()),
+    provider="hydra_torchrun_launcher",
+)
+
+
+@dataclass
+class TorchrunSlurmLauncherConf:
+    """`hydra/launcher=torchrun_slurm`: every sweep job a SLURM job of its own, from a login node.
+
+    The first section is hydra-submitit-launcher's keys under the same names and meanings
+    (a config written for `submitit_slurm` keeps working); the second the torchrun
+    launcher's keys that make sense per job (`nodes` stands for `nnodes`; the rendezvous is
+    on the job's first node, on a port of the job's own).
+    """
+
+    _target_: str = "hydra_plugins.hydra_torchrun_launcher.torchrun_launcher.TorchrunSlurmLauncher"
+
+    # --- hydra-submitit-launcher's keys ---
+    # the job's time limit (sbatch --time), minutes
+    timeout_min: int = 60
+    nodes: int = 1
+    partition: Optional[str] = None
+    qos: Optional[str] = None
+    account: Optional[str] = None
+    comment: Optional[str] = None
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    gres: Optional[str] = None
+    gpus_per_node: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    cpus_per_gpu: Optional[int] = None
+    gpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    mem_per_gpu: Optional[str] = None
+    mem_per_cpu: Optional[str] = None
+    # the SLURM job's name
+    name: str = "${hydra.job.name}"
+    # shell lines the batch script runs before `srun` (module load ..., source venv/bin/activate)
+    setup: Optional[List[str]] = None
+    # more options of the `srun` that starts one task per node
+    srun_args: Optional[List[str]] = None
+    # more `#SBATCH --key=value` lines, e.g. {mail-type: END}
+    additional_parameters: Dict[str, Any] = field(default_factory=dict)
+    # how many jobs of an array SLURM runs at once
+    array_parallelism: int = 256
+    # seconds before the time limit at which SLURM sends the stop signal (--signal=USR2@...)
+    signal_delay_s: int = 120
+    # how many times a job that reached its time limit is requeued (preemptions always are)
+    max_num_timeout: int = 0
+
+    # --- the torchrun launcher's keys that make sense per job ---
+    nproc_per_node: Any = 1
+    rdzv_conf: Any = ""
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "forkserver"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: Optional[str] = None
+    redirects: Any = "0"
+    tee: Any = "3"
+    local_ranks_filter: str = ""
+    local_addr: Optional[str] = None
+    training_script: Optional[str] = None
+    training_script_args: List[str] = field(default_factory=list)
+    logs_specs: Optional[str] = None
+    numa_binding: Optional[str] = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    shutdown_timeout: int = 5
+    virtual_local_rank: bool = False
+    log_line_prefix_template: Optional[str] = None
+    event_log_handler: Optional[str] = None
+    duplicate_stdout_filters: Optional[List[str]] = None
+    duplicate_stderr_filters: Optional[List[str]] = None
+    job_timeout: Optional[float] = None
+    launch_prefix: List[str] = field(default_factory=list)
+    stop_signal: Optional[str] = "SIGUSR2"
+    stop_timeout: float = 300.0
+    resume: Any = "auto"
+    # print every job's sbatch script and submit nothing
+    dry_run: bool = False
+
+
+# the keys of TorchrunSlurmLauncherConf that are SLURM's (the first section); the others
+# are the torchrun launcher's own, with the same meaning there
+SLURM_KEYS: Tuple[str, ...] = (
+    "timeout_min",
+    "nodes",
+    "partition",
+    "qos",
+    "account",
+    "comment",
+    "constraint",
+    "exclude",
+    "gres",
+    "gpus_per_node",
+    "cpus_per_task",
+    "cpus_per_gpu",
+    "gpus_per_task",
+    "mem_gb",
+    "mem_per_gpu",
+    "mem_per_cpu",
+    "name",
+    "setup",
+    "srun_args",
+    "additional_parameters",
+    "array_parallelism",
+    "signal_delay_s",
+    "max_num_timeout",
+)
+
+ConfigStore.instance().store(
+    group="hydra/launcher",
+    name="torchrun_slurm",
+    node=asdict(TorchrunSlurmLauncherConf()),
     provider="hydra_torchrun_launcher",
 )

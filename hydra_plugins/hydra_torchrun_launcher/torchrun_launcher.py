@@ -27,7 +27,7 @@ class TorchrunLauncher(Launcher):
         self.hydra_context: Optional[HydraContext] = None
         # the sweep's progress and outcomes (`_launcher.report.SweepReport`), made at the first launch
         self.report: Any = None
-        # the sweep's stop notice (`_launcher.preempt.StopNotice`), installed at the first launch
+        # the sweep's stop notice (`_launcher.preempt.StopNotice`), installed at setup
         self.notice: Any = None
 
     def setup(
@@ -62,3 +62,26 @@ class TorchrunLauncher(Launcher):
         return core.launch(
             launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
         )
+
+
+class TorchrunSlurmLauncher(TorchrunLauncher):
+    """`hydra/launcher=torchrun_slurm`: each job submitted to SLURM from a login node, one
+    task per node running the job's elastic agent there (`_submit.submit`)."""
+
+    def setup(
+        self,
+        *,
+        hydra_context: HydraContext,
+        task_function: TaskFunction,
+        config: DictConfig,
+    ) -> None:
+        # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
+        # launcher on a login node keeps its default dispositions
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ._submit import submit
+
+        return submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

@@ -12,6 +12,7 @@ The `JobReturn` goes back to the launcher through a pipe; the process then exits
 whatever it started goes with it.
 """
 
+import copy
 import os
 import pickle
 import signal
@@ -24,7 +25,7 @@ import cloudpickle
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict, read_write
 
 from .._rank.error import dumps_job_return
 from .._shared.lifetime import die_with_parent
@@ -59,24 +60,42 @@ def encode_request(request: JobRequest) -> bytes:
     return _FRAME.pack(len(head)) + head + body
 
 
+def decode_request(data: bytes) -> JobRequest:
+    """The request `encode_request` made; this process takes its sys.path first."""
+    (head_size,) = _FRAME.unpack(data[: _FRAME.size])
+    sys.path[:] = pickle.loads(data[_FRAME.size : _FRAME.size + head_size])
+    return cloudpickle.loads(data[_FRAME.size + head_size :])
+
+
 def job_process_main(payload_r: int, result_w: int) -> None:
     die_with_parent()
     with os.fdopen(payload_r, "rb") as f:
-        data = f.read()
-    (head_size,) = _FRAME.unpack(data[: _FRAME.size])
-    sys_path = pickle.loads(data[_FRAME.size : _FRAME.size + head_size])
-    sys.path[:] = sys_path
-    request: JobRequest = cloudpickle.loads(data[_FRAME.size + head_size :])
+        request = decode_request(f.read())
+    job_return = run_request(request)
+    with os.fdopen(result_w, "wb") as out:
+        out.write(pickled_return(job_return))
+
+
+def run_request(request: JobRequest) -> JobReturn:
+    """Run the job in this process as `request` says: the one path of every job's process,
+    whether forked by the warm server or started on a SLURM node (`_submit.node`)."""
     _take_launcher_state(request)
     try:
         # a stop the launcher sent while this process started was held (the warm server
         # blocks the group signals for its children): it is delivered now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals())
-        job_return = _run(request)
+        return _run(request)
     finally:
         _flush_loggers()
-    with os.fdopen(result_w, "wb") as out:
-        out.write(_pickled_return(job_return))
+
+
+def without_bookkeeping(config: DictConfig) -> DictConfig:
+    """The job's config for a node other than the one that writes the job's `.hydra/` files:
+    Hydra's run_job writes none here (`hydra.output_subdir: null`)."""
+    config = copy.deepcopy(config)
+    with read_write(config.hydra), open_dict(config.hydra):
+        config.hydra.output_subdir = None
+    return config
 
 
 def _take_launcher_state(request: JobRequest) -> None:
@@ -111,7 +130,8 @@ def _run(request: JobRequest) -> JobReturn:
     )
 
 
-def _pickled_return(job_return: JobReturn) -> bytes:
+def pickled_return(job_return: JobReturn) -> bytes:
+    """The JobReturn as bytes for the launcher; one that cannot be pickled becomes a failure that says so."""
     try:
         return dumps_job_return(job_return)
     except Exception as e:  # the value or error cannot travel back: say so, as a failed job

@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from .._job.launch_config import check_supported, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
-from .._job.process import JobRequest, encode_request
+from .._job.process import JobRequest, encode_request, without_bookkeeping
 from .._server.server import checked_warm_server
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
@@ -108,33 +109,8 @@ def launch(
         started = "no job of the next batch had started" if launcher.report else "no job had started"
         _end_preempted(notice, started, sweep_dir, launcher.config.hydra.launcher)
 
-    pickled_task, task_error = pickle_task(launcher.task_function)
-    script = app_script(launcher.task_function)
-    if script is not None and script.task_name is not None:
-        task_error = None  # each rank finds the task by name in the script it runs
-    task = task_digest(launcher.task_function)
-    # every job is composed and checked before the first rank of the sweep starts
-    plans: List[JobPlan] = []
-    configs: Dict[int, DictConfig] = {}
-    notes = set()
-    for i, overrides in enumerate(job_overrides):
-        config = _compose(launcher, list(overrides), initial_job_idx + i)
-        # once per job: HydraConfig holds this job's config while its settings and state are read
-        with _hydra_config(config):
-            try:
-                settings, note = _checked_settings(config)
-                plan = _plan(config, settings, pickled_task, script, sweep_key)
-            except LauncherConfigError as e:
-                shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
-                raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
-        # with the project's modules that the job's `_target_`s name (instantiate imports them later)
-        code = task + targets_digest(launcher.task_function, plan.payload.task_cfg)
-        plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
-        plans.append(plan)
-        configs[plan.idx] = config
-        notes.add(note)
-    for note in sorted(n for n in notes if n):
-        log.info(note)
+    composed = compose_plans(launcher, job_overrides, initial_job_idx, sweep_key, _checked_settings)
+    plans, configs, task_error = composed.plans, composed.configs, composed.task_error
     if plans and plans[0].payload.stop_signal == signal.SIGUSR1:
         log.warning(
             "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1 in the ranks' processes for "
@@ -151,6 +127,55 @@ def launch(
         log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
         raise SystemExit(0)
     return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
+
+
+@dataclass
+class ComposedSweep:
+    """The jobs of one launch, composed and checked, before any of them runs."""
+
+    plans: List[JobPlan]
+    configs: Dict[int, DictConfig]
+    task_error: Optional[str]  # why the task function cannot travel to the ranks
+
+
+def compose_plans(
+    launcher: "SweepLauncher",
+    job_overrides: Sequence[Sequence[str]],
+    initial_job_idx: int,
+    sweep_key: str,
+    settings_of: Callable[[DictConfig], "tuple[JobSettings, Optional[str]]"],
+) -> ComposedSweep:
+    """Every job composed, its launcher settings resolved from its own config and checked
+    (`settings_of(config)`: the settings and a line to log once), and its plan made: a bad
+    setting stops the sweep before any process starts. Shared by every way to run jobs."""
+    assert launcher.task_function is not None
+    pickled_task, task_error = pickle_task(launcher.task_function)
+    script = app_script(launcher.task_function)
+    if script is not None and script.task_name is not None:
+        task_error = None  # each rank finds the task by name in the script it runs
+    task = task_digest(launcher.task_function)
+    plans: List[JobPlan] = []
+    configs: Dict[int, DictConfig] = {}
+    notes = set()
+    for i, overrides in enumerate(job_overrides):
+        config = _compose(launcher, list(overrides), initial_job_idx + i)
+        # once per job: HydraConfig holds this job's config while its settings and state are read
+        with _hydra_config(config):
+            try:
+                settings, note = settings_of(config)
+                plan = _plan(config, settings, pickled_task, script, sweep_key)
+            except LauncherConfigError as e:
+                shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
+                raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
+        # with the project's modules that the job's `_target_`s name (instantiate imports them later)
+        code = task + targets_digest(launcher.task_function, plan.payload.task_cfg)
+        plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
+        plans.append(plan)
+        configs[plan.idx] = config
+        notes.add(note)
+    for note in sorted(n for n in notes if n):
+        log.info(note)
+    return ComposedSweep(plans, configs, task_error)
 
 
 def _run_plans(
@@ -220,7 +245,7 @@ def _run_plans(
         return encode_request(
             JobRequest(
                 plan=plan,
-                config=configs[plan.idx] if writes else _without_bookkeeping(configs[plan.idx]),
+                config=configs[plan.idx] if writes else without_bookkeeping(configs[plan.idx]),
                 hydra_context=hydra_context,
                 environ=dict(os.environ),
                 cwd=os.getcwd(),
@@ -292,15 +317,6 @@ def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any)
     """The sweep ends preempted (`_launcher.preempt.end_preempted`)."""
     assert notice.signum is not None
     end_preempted(notice.signum, summary, shown_path(str(sweep_dir)), conf.resume, conf.requeue, os.environ)
-
-
-def _without_bookkeeping(config: DictConfig) -> DictConfig:
-    """The job's config for a node that shares its sweep dir with node 0, which writes the
-    job's `.hydra/` files: Hydra's run_job writes none here (`hydra.output_subdir: null`)."""
-    config = copy.deepcopy(config)
-    with read_write(config.hydra), open_dict(config.hydra):
-        config.hydra.output_subdir = None
-    return config
 
 
 def _status_of(job_return: JobReturn, stopped: bool) -> str:

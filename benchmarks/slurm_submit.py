@@ -1,0 +1,119 @@
+"""What `hydra/launcher=torchrun_slurm` costs SLURM, on a real cluster on this machine.
+
+Starts the test suite's SLURM cluster (root and SLURM needed, as tests/test_slurm_submit.py)
+and a sweep of `--jobs` one-node jobs of a trivial app (one rank each), submitted as one
+array from the host, as from a login node. Prints:
+- submission: the seconds the launcher takes to compose and check the jobs, then to write
+  their requests and submit them (one sbatch call for the array), and per job;
+- waiting: the launcher's squeue/sacct calls, per minute of waiting (the sweep's log counts
+  none, so the launcher runs here under a wrapper PATH that counts each call);
+- start: from a job's start (SLURM's StartTime) to its first rank line (the rank prints the
+  time, `benchmarks/slurm_submit_app.py`).
+
+    flock <lock> python benchmarks/slurm_submit.py --jobs 100
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
+
+APP = Path(__file__).resolve().parent / "slurm_submit_app.py"
+COUNTED = ("squeue", "sacct", "sbatch")
+
+
+def _counting_path(bin_dir: Path, log: Path) -> str:
+    """A PATH whose squeue/sacct/sbatch append their name to `log`, then run SLURM's own."""
+    for name in COUNTED:
+        real = shutil.which(name)
+        assert real, name
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\necho {name} $(date +%s.%N) >> "{log}"\nexec "{real}" "$@"\n')
+        script.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def _stamp(line: str) -> float:
+    """The time of a `[YYYY-mm-dd HH:MM:SS,mmm][HYDRA] ...` line."""
+    stamp = line[1:24]
+    return time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S")) + int(stamp[20:]) / 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=100)
+    parser.add_argument("--nodes", type=int, default=4)
+    args = parser.parse_args()
+    if unavailable():
+        sys.exit(f"no SLURM cluster here: {unavailable()}")
+    with tempfile.TemporaryDirectory() as tmp, SlurmCluster(Path(tmp), nodes=args.nodes) as cluster:
+        app = Path(tmp) / "app"
+        app.mkdir()
+        shutil.copy(APP, app / "app.py")
+        bin_dir = Path(tmp) / "bin"
+        bin_dir.mkdir()
+        calls = Path(tmp) / "calls.log"
+        env = dict(cluster.env, PATH=_counting_path(bin_dir, calls))
+        xs = ",".join(str(i) for i in range(args.jobs))
+        command = [
+            sys.executable,
+            "app.py",
+            "-m",
+            "hydra/launcher=torchrun_slurm",
+            "hydra.sweep.dir=sweep",
+            f"+x={xs}",
+        ]
+        started = time.time()
+        launcher = subprocess.run(command, cwd=app, env=env, capture_output=True, text=True)
+        ended = time.time()
+        output = launcher.stdout + launcher.stderr
+        assert launcher.returncode == 0, output[-3000:]
+        lines = output.splitlines()
+        submitting = _stamp(next(line for line in lines if "Submitting" in line))
+        submitted = _stamp([line for line in lines if ": SLURM job " in line][-1])
+        log = [line.split() for line in calls.read_text().splitlines()]
+        polls = [float(t) for name, t in log if name in ("squeue", "sacct")]
+        sbatch = [name for name, _ in log if name == "sbatch"]
+        print(f"{args.jobs} one-node jobs on {args.nodes} nodes, {ended - started:.1f}s in all")
+        print(
+            f"composing and checking the jobs: {submitting - started:.2f}s from the launcher's start "
+            f"({(submitting - started) / args.jobs * 1000:.0f} ms per job)"
+        )
+        print(
+            f"submission (requests written, {len(sbatch)} sbatch call): {submitted - submitting:.2f}s "
+            f"({(submitted - submitting) / args.jobs * 1000:.1f} ms per job)"
+        )
+        waited_min = (ended - submitted) / 60
+        print(
+            f"waiting: {len(polls)} squeue/sacct calls in {waited_min * 60:.1f}s = "
+            f"{len(polls) / waited_min:.1f} per minute"
+        )
+        delays = []
+        for out in (app / "sweep" / ".slurm").glob("job*.out"):
+            job = out.name.split(".")[1] + "_" + out.name.split(".")[0][3:]
+            shown = cluster.run(["scontrol", "show", "job", "-o", job]).stdout
+            start = re.search(r"StartTime=(\S+)", shown)
+            first = re.search(r"first rank line at (\d+\.\d+)", out.read_text())
+            if start and first:
+                t0 = time.mktime(time.strptime(start.group(1), "%Y-%m-%dT%H:%M:%S"))
+                delays.append(float(first.group(1)) - t0)
+        if delays:
+            delays.sort()
+            print(
+                f"job start (SLURM's StartTime, whole seconds) to its first rank line: median "
+                f"{delays[len(delays) // 2]:.2f}s, min {delays[0]:.2f}s, max {delays[-1]:.2f}s "
+                f"over {len(delays)} jobs"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""SLURM's own commands, as the launcher uses them: sbatch, squeue, sacct, scancel.
+
+The layer torchx's SLURM scheduler has: argv lists (never a shell line), `--parsable`
+output, and SLURM's own words for every state and error. Polling reads the whole sweep in
+one `squeue` call, whatever the number of jobs; `sacct` is asked only about a job that
+`squeue` no longer shows (and is not needed where accounting is off).
+"""
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from .._shared.errors import LauncherConfigError
+
+# SLURM's commands answer in well under a second; a hung controller must not hang the sweep
+COMMAND_TIMEOUT_S = 60.0
+# states after which a job runs no more (squeue's and sacct's long names)
+ENDED_STATES = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+        "SPECIAL_EXIT",
+        "REVOKED",
+    }
+)
+
+
+class SlurmCommandError(RuntimeError):
+    """A SLURM command failed; the message is SLURM's own last line of error."""
+
+
+@dataclass(frozen=True)
+class JobState:
+    """One job as SLURM shows it: its state, the reason (pending or ended), its nodes."""
+
+    state: str
+    reason: str
+    nodes: str
+    restarts: int = 0
+
+
+def _command(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise LauncherConfigError(
+            f"hydra/launcher=torchrun_slurm needs SLURM's `{name}` on PATH "
+            "(run it on a login node of the cluster)"
+        )
+    return found
+
+
+def _run(argv: List[str]) -> "subprocess.CompletedProcess[str]":
+    try:
+        return subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise SlurmCommandError(
+            f"`{argv[0]} {argv[1] if len(argv) > 1 else ''}` did not answer in {e.timeout:g}s"
+        ) from None
+
+
+def _said(result: "subprocess.CompletedProcess[str]") -> str:
+    lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {result.returncode}"
+
+
+def sbatch(script: Path) -> str:
+    """Submit the batch script; the job's (the array's) id."""
+    result = _run([_command("sbatch"), "--parsable", str(script)])
+    if result.returncode != 0:
+        raise SlurmCommandError(_said(result))
+    return result.stdout.strip().split(";")[0]
+
+
+def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
+    """Every task of these arrays that SLURM still shows, by `<array id>_<task id>`; None when
+    squeue itself fails (the caller polls again later)."""
+    ids = sorted(set(array_ids))
+    if not ids:
+        return {}
+    result = _run(
+        [
+            _command("squeue"),
+            "--noheader",
+            "--array",
+            "--states=all",
+            f"--jobs={','.join(ids)}",
+            "--format=%i|%T|%r|%N",
+        ]
+    )
+    if result.returncode != 0:
+        # every id of the list purged already: squeue refuses the list instead of showing nothing
+        return {} if "Invalid job id" in _said(result) else None
+    states: Dict[str, JobState] = {}
+    for line in result.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4:
+            states[parts[0]] = JobState(parts[1], parts[2], parts[3])
+    return states
+
+
+def sacct(job_id: str) -> Optional[JobState]:
+    """How SLURM's accounting saw the job end, or None where accounting is off or silent."""
+    if shutil.which("sacct") is None:
+        return None
+    result = _run(
+        [
+            shutil.which("sacct") or "sacct",
+            "--noheader",
+            "--parsable2",
+            "--allocations",
+            "--jobs",
+            job_id,
+            "--format=JobID,State,Reason,NodeList",
+        ]
+    )
+    if result.returncode != 0:
+        return None
+    for line in result.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) >= 4 and parts[0] == job_id:
+            return JobState(parts[1].split()[0], parts[2], parts[3])
+    return None
+
+
+def scancel(job_ids: Iterable[str]) -> Optional[str]:
+    """Cancel the jobs; None, or SLURM's words when it could not."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return None
+    result = _run([_command("scancel"), *ids])
+    return None if result.returncode == 0 else _said(result)

@@ -1,0 +1,106 @@
+"""Where a submitted sweep keeps what travels between the login node and the SLURM nodes.
+
+Everything lives in `<sweep dir>/.slurm/`, a directory only its owner can enter (0700): the
+pickled job requests (the task function travels in them, so nobody else may read or
+replace them), the batch scripts, SLURM's output files, each job's result as its node 0
+wrote it, and the ids of the jobs submitted, recorded before the launcher waits on them.
+The sweep dir is on a filesystem the nodes share, as with submitit's folder.
+"""
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Dict
+
+from .._launcher.durable import replace_whole
+
+SLURM_DIR = ".slurm"
+SUBMITTED = "submitted.json"
+
+
+def slurm_dir(sweep_dir: Path) -> Path:
+    """The sweep's `.slurm/` dir, made owner-only; refused when someone else could use it."""
+    path = sweep_dir / SLURM_DIR
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def request_file(directory: Path, idx: int) -> Path:
+    return directory / f"job{idx}.request"
+
+
+def result_file(directory: Path, idx: int) -> Path:
+    return directory / f"job{idx}.result"
+
+
+def failure_file(directory: Path, idx: int) -> Path:
+    """The first failure any node of the job saw (its JobReturn): the root cause, where a
+    rank that failed on one node made SLURM stop the others (`srun --kill-on-bad-exit`)."""
+    return directory / f"job{idx}.failure"
+
+
+def ranks_ran_file(directory: Path, idx: int) -> Path:
+    """Made by node 0 when the job was preempted after its ranks ran: the requeued run resumes."""
+    return directory / f"job{idx}.ranks_ran"
+
+
+def requeued_file(directory: Path, idx: int) -> Path:
+    """How many times node 0 requeued the job after a stop (written just before it does)."""
+    return directory / f"job{idx}.requeued"
+
+
+def timeouts_file(directory: Path, idx: int) -> Path:
+    """How many times the job was requeued after reaching its time limit (max_num_timeout)."""
+    return directory / f"job{idx}.timeouts"
+
+
+def output_pattern(directory: Path) -> str:
+    """SLURM's output file of every job (`%a`: the job's number, `%A`: the array's id)."""
+    return str(directory / "job%a.%A.out")
+
+
+def output_file(directory: Path, idx: int, array_id: str) -> Path:
+    return directory / f"job{idx}.{array_id}.out"
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Owner-only (0600), replaced whole."""
+    replace_whole(path, data, mode=0o600)
+
+
+def write_first(path: Path, data: bytes) -> bool:
+    """Owner-only, and only if no one wrote `path` before (a hard link never replaces): whether
+    this call wrote it."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    write_private(partial, data)
+    try:
+        os.link(partial, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        partial.unlink()
+
+
+def read_private(path: Path) -> bytes:
+    """A file only this user can have written (ours, not writable by others), else an error."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(f"{path} is not this user's alone: it is not used")
+    return path.read_bytes()
+
+
+def read_submitted(directory: Path) -> Dict[str, Any]:
+    """The jobs submitted and not yet collected: {job number: {"slurm_id", "fingerprint"}}."""
+    path = directory / SUBMITTED
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def write_submitted(directory: Path, submitted: Dict[str, Any]) -> None:
+    replace_whole(directory / SUBMITTED, (json.dumps(submitted, indent=1) + "\n").encode(), mode=0o600)

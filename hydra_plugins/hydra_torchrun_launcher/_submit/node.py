@@ -1,0 +1,184 @@
+"""What each node of a submitted job runs: `srun` starts it once per node.
+
+    python -m hydra_plugins.hydra_torchrun_launcher._submit.node <sweep dir>/.slurm \
+        SIGNAL_DELAY_S MAX_NUM_TIMEOUT
+
+It reads the job's request (its number is the array task's, `SLURM_ARRAY_TASK_ID`), puts
+this node in it (node rank `SLURM_NODEID`; the rendezvous on the job's first node, on a
+port derived from the job's id, under an id that changes with every requeue), and runs the
+job's process in this one (`_job.process.run_request`: the same path as a job of the local
+launcher). Node 0 does Hydra's bookkeeping (run_job writes `.hydra/`, fires the
+callbacks) and writes the job's result for the launcher; the other nodes run their agent
+under the same job config without either. A node whose job failed (a rank of its own
+failed) records the failure, unless another node did first, and exits non-zero (node 0
+once it has written the job's result): srun
+(`--kill-on-bad-exit`) then stops the job's other nodes, whose ranks would otherwise wait
+in a collective for the failed rank, and the job's error is the rank's own.
+
+A stop signal (SLURM's `--signal=USR2@...` or a preemption notice) reaches this process on
+every node: the job's ranks stop at a step boundary together (`preemption.should_stop()`),
+then node 0 requeues the job (`scontrol requeue`), unless it reached its time limit more
+often than `max_num_timeout` allows; when SLURM runs it again, its ranks see
+`preemption.resumed()` True in the same job dir.
+"""
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from hydra.core.utils import JobReturn, JobStatus
+
+from .._job.failures import JobFailedError
+from .._job.preempt import JobPreempted
+from .._job.process import decode_request, pickled_return, run_request, without_bookkeeping
+from .._launcher.cluster_layout import derived_port
+from .._launcher.cluster_slurm import expand
+from .._launcher.preempt import requeue_slurm_job
+from .._shared.plan import Rendezvous
+from .files import (
+    failure_file,
+    ranks_ran_file,
+    read_private,
+    request_file,
+    requeued_file,
+    result_file,
+    timeouts_file,
+    write_first,
+    write_private,
+)
+
+log = logging.getLogger(__name__)
+
+# a stop this close to the time limit (beyond signal_delay_s) is the time limit's, not a preemption
+_TIME_LIMIT_MARGIN_S = 60
+
+
+class _NoCallbacks:
+    """Hydra's callbacks as the nodes other than node 0 see them: none (they fire once per
+    job, on node 0). Duck-typed: run_job calls `on_job_start` and `on_job_end`."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> int:
+    """Run this node's part of the job; `time_limit`: (signal_delay_s, max_num_timeout)."""
+    idx = int(environ["SLURM_ARRAY_TASK_ID"])
+    node = int(environ.get("SLURM_NODEID", "0"))
+    request = decode_request(read_private(request_file(directory, idx)))
+    plan = request.plan
+    job_id = environ["SLURM_JOB_ID"]
+    restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    if plan.settings.max_nodes > 1:
+        run = job_id + (f".restart{restarts}" if restarts else "")
+        host = expand(environ, "SLURM_JOB_NODELIST")[0]
+        endpoint = f"{host}:{derived_port(run)}"
+        conf = dataclasses.replace(plan.settings.conf, node_rank=node, rdzv_endpoint=endpoint)
+        plan.settings = dataclasses.replace(plan.settings, conf=conf)
+        plan.rendezvous = Rendezvous("c10d", endpoint, f"slurm-{run}_{idx}", plan.rendezvous.configs)
+        plan.node_slot = node
+    plan.resumed = restarts > 0 and ranks_ran_file(directory, idx).exists()
+    # this node's environment, as sbatch exported the submitting one (SLURM's variables added)
+    request.environ = dict(environ)
+    request.ignored_signals = []
+    if node != 0:
+        request.config = without_bookkeeping(request.config)
+        request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=_NoCallbacks())
+    try:
+        job_return = run_request(request)
+    except Exception as e:  # outside the task (Hydra's bookkeeping): still the job's error
+        traceback.print_exc()
+        job_return = _failed(
+            JobReturn(), f"node {node} of SLURM job {job_id} failed: {type(e).__name__}: {e}"
+        )
+    value = job_return._return_value
+    if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
+        # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
+        first = write_first(failure_file(directory, idx), pickled_return(job_return))
+        if node != 0:
+            return 1
+        if not first:
+            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx)))
+    if node != 0:
+        return 0
+    if isinstance(value, JobPreempted):
+        if value.ranks_ran:
+            write_private(ranks_ran_file(directory, idx), b"")
+        refused = _timeout_refusal(directory, idx, time_limit, environ)
+        if refused is None:
+            write_private(requeued_file(directory, idx), str(restarts + 1).encode())
+            said = requeue_slurm_job(environ)
+            print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
+            if said is not None and "is requeued" in said:
+                return 0  # SLURM ends this run; the job's result comes from the next
+        else:
+            job_return = _failed(job_return, refused)
+    write_private(result_file(directory, idx), pickled_return(job_return))
+    # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
+    return 1 if job_return.status == JobStatus.FAILED else 0
+
+
+def _with_error_of(job_return: JobReturn, pickled: bytes) -> JobReturn:
+    """Node 0's JobReturn with the error another node failed with first (a rank's own exception)."""
+    import cloudpickle
+
+    failed = dataclasses.replace(job_return, status=JobStatus.FAILED)
+    failed.return_value = cloudpickle.loads(pickled)._return_value
+    return failed
+
+
+def _failed(job_return: JobReturn, why: str) -> JobReturn:
+    failed = dataclasses.replace(job_return, status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(why)
+    return failed
+
+
+def _timeout_refusal(
+    directory: Path, idx: int, time_limit: "tuple[int, int]", environ: Mapping[str, str]
+) -> Optional[str]:
+    """Why the job is not requeued after reaching its time limit (max_num_timeout), or None:
+    a preemption, or a time limit with requeues left (then counted)."""
+    left = _time_left_s(environ["SLURM_JOB_ID"])
+    delay, allowed = time_limit
+    if left is None or left > delay + _TIME_LIMIT_MARGIN_S:
+        return None
+    path = timeouts_file(directory, idx)
+    count = int(path.read_text() or 0) if path.exists() else 0
+    if count >= allowed:
+        return (
+            f"SLURM job {environ['SLURM_JOB_ID']} reached its time limit (timeout_min) and was "
+            f"requeued {count} time(s) after one already (hydra.launcher.max_num_timeout={allowed})"
+        )
+    write_private(path, str(count + 1).encode())
+    return None
+
+
+def _time_left_s(job_id: str) -> Optional[float]:
+    """Seconds until the job's time limit, as squeue shows it (`%L`); None when unknown."""
+    try:
+        shown = subprocess.run(
+            ["squeue", "--noheader", f"--jobs={job_id}", "--format=%L"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not shown or shown in ("UNLIMITED", "NOT_SET", "INVALID"):
+        return None
+    days, _, clock = shown.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return (int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3])), os.environ))

@@ -1,0 +1,161 @@
+"""`hydra/launcher=torchrun_slurm`'s keys, split: SLURM's (sbatch directives, checked here)
+and the torchrun launcher's (checked by `_launcher.settings`, as for `hydra/launcher=torchrun`).
+
+hydra-submitit-launcher's names and meanings, so a `submitit_slurm` config keeps working:
+`timeout_min` is `--time`, `mem_gb` is `--mem=<n>G`, `additional_parameters` are more
+`--key=value` directives, and so on. Every value becomes one `#SBATCH` line, which SLURM
+reads as one option: a value with a line break in it is refused (it would add directives).
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from .._launcher.settings import resolve_settings
+from .._shared.errors import LauncherConfigError
+from .._shared.plan import JobSettings
+from ..config import SLURM_KEYS
+
+# the rendezvous endpoint of a multi-node job until a node knows it (`_submit.node`)
+FIRST_NODE_ENDPOINT = "first-node-of-the-job:0"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# sbatch options the launcher sets itself: given in additional_parameters they would break it
+_OWN_OPTIONS = (
+    "array",
+    "output",
+    "error",
+    "ntasks-per-node",
+    "ntasks",
+    "signal",
+    "requeue",
+    "open-mode",
+    "nodes",
+)
+
+# SLURM key -> sbatch option, for the keys that are one option each
+_SIMPLE = {
+    "partition": "partition",
+    "qos": "qos",
+    "account": "account",
+    "comment": "comment",
+    "constraint": "constraint",
+    "exclude": "exclude",
+    "gres": "gres",
+    "gpus_per_node": "gpus-per-node",
+    "cpus_per_task": "cpus-per-task",
+    "cpus_per_gpu": "cpus-per-gpu",
+    "gpus_per_task": "gpus-per-task",
+    "mem_per_gpu": "mem-per-gpu",
+    "mem_per_cpu": "mem-per-cpu",
+}
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """One job's SLURM side: its sbatch directives (without the array), and what runs around srun."""
+
+    directives: Tuple[Tuple[str, str], ...]
+    nodes: int
+    setup: Tuple[str, ...]
+    srun_args: Tuple[str, ...]
+    array_parallelism: int
+    signal_delay_s: int
+    max_num_timeout: int
+
+
+def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, SlurmOptions]":
+    """A job's `hydra.launcher` (resolved against its own config): its torchrun settings,
+    checked as the torchrun launcher's are, and its SLURM options, checked here."""
+    raw = OmegaConf.to_container(launcher_cfg, resolve=True)
+    assert isinstance(raw, dict)
+    slurm = {key: raw.pop(key) for key in SLURM_KEYS if key in raw}
+    raw.pop("_target_", None)
+    options = slurm_options(slurm)
+    for key in (
+        "nnodes",
+        "node_rank",
+        "rdzv_endpoint",
+        "rdzv_backend",
+        "cluster",
+        "parallel_jobs",
+        "devices",
+    ):
+        if key in raw:  # a `+hydra.launcher.nnodes=2`: not a key of this launcher
+            raise LauncherConfigError(
+                f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm: SLURM places every job "
+                "(hydra.launcher.nodes sets its node count; its nodes meet on its first node)"
+            )
+    raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
+    if options.nodes > 1:
+        raw.update(rdzv_backend="c10d", rdzv_endpoint=FIRST_NODE_ENDPOINT)
+    try:
+        settings = resolve_settings(OmegaConf.create(raw))
+    except LauncherConfigError as e:
+        if "nnodes" in str(e):
+            raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
+        raise
+    return settings, options
+
+
+def _int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LauncherConfigError(f"hydra.launcher.{key}={value!r} is invalid: use an int >= {minimum}")
+    return value
+
+
+def _text(key: str, value: Any) -> str:
+    text = str(value)
+    if _CONTROL.search(text) or isinstance(value, (dict, list)):
+        raise LauncherConfigError(
+            f"hydra.launcher.{key}={value!r} is invalid: one line of text (it becomes one #SBATCH directive)"
+        )
+    return text
+
+
+def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
+    """The SLURM keys of one job, checked, as sbatch directives."""
+    nodes = _int("nodes", slurm.get("nodes", 1), 1)
+    timeout_min = _int("timeout_min", slurm.get("timeout_min", 60), 1)
+    directives: List[Tuple[str, str]] = [("job-name", _text("name", slurm.get("name") or "hydra"))]
+    directives += [("nodes", str(nodes)), ("ntasks-per-node", "1"), ("time", str(timeout_min))]
+    for key, option in _SIMPLE.items():
+        value = slurm.get(key)
+        if value is not None:
+            directives.append((option, _text(key, value)))
+    if slurm.get("mem_gb") is not None:
+        directives.append(("mem", f"{_int('mem_gb', slurm['mem_gb'], 0)}G"))
+    extra = slurm.get("additional_parameters") or {}
+    if not isinstance(extra, dict):
+        raise LauncherConfigError(
+            f"hydra.launcher.additional_parameters={extra!r} is invalid: a mapping of sbatch options "
+            "to values"
+        )
+    for key, value in extra.items():
+        option = str(key).replace("_", "-")
+        if option in _OWN_OPTIONS:
+            raise LauncherConfigError(
+                f"hydra.launcher.additional_parameters.{key} is set by the launcher itself "
+                f"(--{option}); use hydra.launcher.nodes, timeout_min, signal_delay_s instead"
+            )
+        directives.append(
+            (_text(f"additional_parameters.{key}", option), _text(f"additional_parameters.{key}", value))
+        )
+    setup = slurm.get("setup") or []
+    srun_args = slurm.get("srun_args") or []
+    for key, lines in (("setup", setup), ("srun_args", srun_args)):
+        if not isinstance(lines, list):
+            raise LauncherConfigError(f"hydra.launcher.{key}={lines!r} is invalid: a list of strings")
+        for line in lines:
+            _text(key, line)
+    signal_delay_s = _int("signal_delay_s", slurm.get("signal_delay_s", 120), 0)
+    return SlurmOptions(
+        directives=tuple(directives),
+        nodes=nodes,
+        setup=tuple(str(line) for line in setup),
+        srun_args=tuple(str(arg) for arg in srun_args),
+        array_parallelism=_int("array_parallelism", slurm.get("array_parallelism", 256), 1),
+        signal_delay_s=signal_delay_s,
+        max_num_timeout=_int("max_num_timeout", slurm.get("max_num_timeout", 0), 0),
+    )

@@ -1,0 +1,412 @@
+"""The work of `TorchrunSlurmLauncher.launch`: every sweep job submitted as a SLURM job.
+
+Jobs are composed and checked exactly as the local launcher's (`_launcher.core.compose_plans`),
+then submitted, an array per group of jobs that share their sbatch options, and waited on.
+Each job's request lies in the sweep's private `.slurm/` dir; the ids SLURM gives are
+recorded there before the launcher waits, so a launcher killed with -9 and started again
+takes its jobs back instead of submitting them twice. Waiting reads the result files node 0
+writes (the filesystem, not slurmctld) and asks `squeue` about all the jobs in one call, at
+intervals that grow to POLL_MAX_S. A job that ends without a result is FAILED with
+SLURM's own state and reason. Ctrl-C or SIGTERM cancels the sweep's jobs (`scancel`).
+"""
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import cloudpickle
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from omegaconf import DictConfig
+
+from .._job.failures import JobFailedError
+from .._job.launch_config import check_supported
+from .._job.preempt import JobPreempted
+from .._job.process import JobRequest, encode_request
+from .._launcher.core import SweepLauncher, compose_plans
+from .._launcher.lock import hold_sweep_lock
+from .._launcher.pool import SweepStopped, react_to_stop
+from .._launcher.report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
+from .._launcher.reproduce import write_rerun_script
+from .._launcher.resume import Record, log_resumption, read_record, resumption, save_return
+from .._shared.paths import shown_path
+from .._shared.plan import JobPlan, JobSettings
+from .._shared.signals import handled_by
+from .._shared.stop_files import RANKS_STARTED_FILE
+from . import commands
+from .commands import ENDED_STATES, JobState, SlurmCommandError
+from .files import (
+    failure_file,
+    output_file,
+    ranks_ran_file,
+    read_private,
+    read_submitted,
+    request_file,
+    requeued_file,
+    result_file,
+    slurm_dir,
+    timeouts_file,
+    write_private,
+    write_submitted,
+)
+from .options import SlurmOptions, split_launcher_config
+from .script import batch_script
+
+log = logging.getLogger(__name__)
+
+# how often the result files are looked at (the filesystem: no load on slurmctld)
+RESULT_CHECK_S = 0.5
+# squeue's interval: from the first to the last, growing by the factor at every call (a
+# sweep's results come from the files, so squeue only tells starts, pending reasons and
+# jobs that ended without a result): a few calls a minute, whatever the number of jobs
+POLL_FIRST_S = 1.0
+POLL_MAX_S = 15.0
+POLL_GROWTH = 1.5
+# a job seen ended without a result is asked about again this soon, to be sure of it
+POLL_CONFIRM_S = 2.0
+
+
+def launch(
+    launcher: SweepLauncher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+) -> List[JobReturn]:
+    setup_globals()
+    assert launcher.config is not None and launcher.hydra_context is not None
+    configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    options: Dict[int, SlurmOptions] = {}
+
+    def settings_of(config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+        settings, slurm = split_launcher_config(config.hydra.launcher)
+        check_supported(settings)
+        options[int(config.hydra.job.num)] = slurm
+        return settings, None
+
+    composed = compose_plans(launcher, job_overrides, initial_job_idx, str(sweep_dir.resolve()), settings_of)
+    plans, configs = composed.plans, composed.configs
+    if not plans:
+        return []
+    conf = plans[0].settings.conf
+    if conf.dry_run:
+        log.info(_dry_run(plans, options, sweep_dir))
+        raise SystemExit(0)
+    first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
+    hold_sweep_lock(sweep_dir, 1)
+    if first_launch:
+        launcher.report = SweepReport(
+            sweep_dir, read_record(sweep_dir) if conf.resume is not False else Record()
+        )
+    report: SweepReport = launcher.report
+    resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
+    log_resumption(sweep_dir, resumed)
+    directory = slurm_dir(sweep_dir)
+    to_run = [plan for plan in plans if plan.idx not in resumed.completed]
+    report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
+    sweep = _Sweep(directory, report)
+    try:
+        with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
+            try:
+                sweep.submit(launcher, to_run, configs, options, composed.task_error)
+                ran = sweep.wait(to_run)
+            except SweepStopped:
+                cancelled = sweep.cancel()
+                report.log_table()
+                raise
+    except SweepStopped as stopped:
+        # the launcher's own handlers are back: the signal does what it would have done
+        react_to_stop(stopped, f"cancelled {cancelled}; {report.stop_summary()}")
+        raise
+    if len(plans) > 1:
+        report.log_table()
+    returns = {**resumed.completed, **ran}
+    return [returns[plan.idx] for plan in plans]
+
+
+class _Sweep:
+    """The sweep's SLURM jobs: submitted, watched, collected, or cancelled."""
+
+    def __init__(self, directory: Path, report: SweepReport) -> None:
+        self.directory = directory
+        self.report = report
+        # job number -> SLURM id (`<array>_<number>`) of the jobs not collected yet
+        self.slurm_ids: Dict[int, str] = {}
+        self.submitted = read_submitted(directory)
+        self.stop_signum: Optional[int] = None
+        self.polls = 0
+        # every job's JobReturn as it ends (one sbatch refused, at once)
+        self.returns: Dict[int, JobReturn] = {}
+        # what the last line said of each job (state, and reason or nodes)
+        self.shown: Dict[int, Tuple[str, str]] = {}
+        # jobs a poll saw ended (or gone) without a result: the next poll decides
+        self.ending: Set[int] = set()
+        # jobs seen running: seen running again, they were requeued
+        self.ran: Set[int] = set()
+        # what each job's requeue file said when last read
+        self.requeues: Dict[int, str] = {}
+
+    def stop(self, signum: int, frame: Any) -> None:
+        if self.stop_signum is None:
+            self.stop_signum = signum
+
+    def _check_stop(self) -> None:
+        if self.stop_signum is not None:
+            raise SweepStopped(self.stop_signum)
+
+    # -- submission -----------------------------------------------------------------------
+
+    def submit(
+        self,
+        launcher: SweepLauncher,
+        plans: List[JobPlan],
+        configs: Dict[int, DictConfig],
+        options: Dict[int, SlurmOptions],
+        task_error: Optional[str],
+    ) -> None:
+        """Submit what is not in flight already; record every id before waiting."""
+        sweep_dir = str(launcher.config.hydra.sweep.dir) if launcher.config is not None else ""
+        fresh: List[JobPlan] = []
+        stale: List[str] = []
+        for plan in plans:
+            write_rerun_script(plan, configs[plan.idx], None)
+            known = self.submitted.get(str(plan.idx))
+            if (
+                known
+                and known.get("fingerprint") == plan.fingerprint
+                and plan.settings.conf.resume is not False
+            ):
+                self.slurm_ids[plan.idx] = known["slurm_id"]
+                self.report.started(plan.idx)
+                log.info(
+                    f"\t{job_title(plan.idx, plan.overrides)} : SLURM job "
+                    f"{known['slurm_id']}, submitted before"
+                )
+                continue
+            if known:
+                stale.append(known["slurm_id"])
+            fresh.append(plan)
+        if stale:
+            said = commands.scancel(stale)
+            log.info(
+                f"Cancelled SLURM job(s) {', '.join(stale)} of an earlier run of another sweep{_said(said)}"
+            )
+        if fresh:
+            log.info(f"Submitting {len(fresh)} jobs to SLURM into {shown_path(sweep_dir)}")
+        groups: Dict[SlurmOptions, List[JobPlan]] = {}
+        for plan in fresh:
+            groups.setdefault(options[plan.idx], []).append(plan)
+            for stale_file in (result_file, failure_file, ranks_ran_file, requeued_file, timeouts_file):
+                stale_file(self.directory, plan.idx).unlink(missing_ok=True)
+            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
+                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
+            write_private(
+                request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
+            )
+        for slurm, group in groups.items():
+            self._check_stop()
+            jobs = [plan.idx for plan in group]
+            script = self.directory / f"jobs{jobs[0]}.sbatch"
+            write_private(script, batch_script(slurm, jobs, self.directory, sweep_dir).encode())
+            try:
+                array_id = commands.sbatch(script)
+            except (SlurmCommandError, OSError) as e:
+                for plan in group:
+                    self.report.started(plan.idx)
+                    self._end(plan.idx, _failure(f"sbatch refused the job: {e}"), FAILED)
+                continue
+            for plan in group:
+                slurm_id = f"{array_id}_{plan.idx}"
+                self.slurm_ids[plan.idx] = slurm_id
+                self.submitted[str(plan.idx)] = {"slurm_id": slurm_id, "fingerprint": plan.fingerprint}
+                log.info(f"\t{job_title(plan.idx, plan.overrides)} : SLURM job {slurm_id}")
+                self.report.started(plan.idx)  # until SLURM starts it, its time counts from here
+            write_submitted(self.directory, self.submitted)
+
+    # -- waiting --------------------------------------------------------------------------
+
+    def wait(self, plans: List[JobPlan]) -> Dict[int, JobReturn]:
+        """Every job's JobReturn (those sbatch refused included), collected as each ends."""
+        by_idx = {plan.idx: plan for plan in plans}
+        interval = POLL_FIRST_S
+        next_poll = time.monotonic()
+        while self.slurm_ids:
+            self._check_stop()
+            for idx in list(self.slurm_ids):
+                if result_file(self.directory, idx).exists():
+                    self._collect(by_idx[idx])
+                else:
+                    self._note_requeue(idx)
+            if self.slurm_ids and time.monotonic() >= next_poll:
+                self._poll(by_idx)
+                interval = min(POLL_MAX_S, interval * POLL_GROWTH)
+                next_poll = time.monotonic() + (min(interval, POLL_CONFIRM_S) if self.ending else interval)
+            if self.slurm_ids:
+                time.sleep(RESULT_CHECK_S)
+        return {idx: self.returns[idx] for idx in by_idx}
+
+    def _note_requeue(self, idx: int) -> None:
+        """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
+        path = requeued_file(self.directory, idx)
+        try:
+            count = path.read_text().strip()
+        except FileNotFoundError:
+            return
+        if count and self.requeues.get(idx) != count:
+            self.requeues[idx] = count
+            log.info(
+                f"job #{idx} (SLURM job {self.slurm_ids[idx]}) stopped at a step boundary and is requeued "
+                f"(requeue {count}): it continues in its job dir when SLURM runs it again"
+            )
+
+    def _poll(self, by_idx: Dict[int, JobPlan]) -> None:
+        """One squeue call for the whole sweep: a line for what changed; a job that ended
+        without a result (seen so in two polls in a row: SLURM shows a requeued job's end for
+        a moment, and a result may land between) is FAILED with SLURM's words."""
+        self.polls += 1
+        try:
+            states = commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
+        except SlurmCommandError as e:
+            log.warning(f"squeue: {e}; asking again later")
+            return
+        if states is None:
+            return
+        for idx, slurm_id in list(self.slurm_ids.items()):
+            state = states.get(slurm_id)
+            if state is None or state.state in ENDED_STATES:
+                if result_file(self.directory, idx).exists():
+                    self._collect(by_idx[idx])
+                elif idx in self.ending:
+                    if state is None:
+                        state = commands.sacct(slurm_id) or JobState(
+                            "UNKNOWN", "SLURM no longer shows it", ""
+                        )
+                    self._lost(by_idx[idx], slurm_id, state)
+                else:
+                    self.ending.add(idx)
+                continue
+            self.ending.discard(idx)
+            now = (state.state, state.reason if state.state == "PENDING" else state.nodes)
+            before = self.shown.get(idx)
+            if before == now:
+                continue
+            self.shown[idx] = now
+            title = f"job #{idx} (SLURM job {slurm_id})"
+            if state.state == "RUNNING":
+                self.report.started(idx)  # its time counts from here
+                again = idx in self.ran  # a run of it ended before: SLURM requeued it
+                self.ran.add(idx)
+                log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
+            elif state.state == "PENDING":
+                reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
+                log.info(f"{title} is {'requeued: pending' if idx in self.ran else 'pending'}{reason}")
+            else:
+                log.info(f"{title} is {state.state.lower()}")
+
+    def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
+        """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
+        idx = plan.idx
+        path = path or result_file(self.directory, idx)
+        try:
+            job_return: JobReturn = cloudpickle.loads(read_private(path))
+        except Exception as e:  # a result that cannot be read is the job's failure, said so
+            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
+        value = job_return._return_value
+        if job_return.status == JobStatus.COMPLETED:
+            status = COMPLETED
+            save_return(plan.output_dir, job_return)
+        elif isinstance(value, JobPreempted):
+            status = PREEMPTED
+        else:
+            status = FAILED
+        # as the local launcher tells it: the ranks' own mark in the job dir
+        ranks_ran = (plan.output_dir / RANKS_STARTED_FILE).exists()
+        self._end(idx, job_return, status, ranks_ran)
+
+    def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
+        """A job that ended without a result: SLURM's words for it, and where its output is."""
+        failed_first = failure_file(self.directory, plan.idx)
+        if failed_first.exists():  # a node recorded why before SLURM ended the job
+            self._collect(plan, failed_first)
+            return
+        out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
+        reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
+        self._end(
+            plan.idx,
+            _failure(
+                f"SLURM job {slurm_id} ended {state.state}{reason} without a result; "
+                f"its output: {shown_path(str(out))}"
+            ),
+            FAILED,
+        )
+
+    def _end(self, idx: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
+        """The job's outcome into the record (and its line); it is no longer in flight."""
+        self.report.ended(idx, job_return, status, ranks_ran)
+        self.returns[idx] = job_return
+        self.ending.discard(idx)
+        if self.slurm_ids.pop(idx, None) is not None:
+            self.submitted.pop(str(idx), None)
+            write_submitted(self.directory, self.submitted)
+
+    # -- cancel ---------------------------------------------------------------------------
+
+    def cancel(self) -> str:
+        """scancel every job of the sweep still in flight; what to say of it."""
+        ids = sorted(self.slurm_ids.values())
+        if not ids:
+            return "no SLURM job (none was in flight)"
+        said = commands.scancel(ids)
+        for idx, slurm_id in list(self.slurm_ids.items()):
+            message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
+            self._end(idx, _failure(message), STOPPED)
+        return f"SLURM job(s) {', '.join(ids)}{_said(said)}"
+
+
+def _said(said: Optional[str]) -> str:
+    return f" (scancel: {said})" if said else ""
+
+
+def _failure(message: str) -> JobReturn:
+    failed = JobReturn(status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(message)
+    return failed
+
+
+def _request(
+    launcher: SweepLauncher, plan: JobPlan, configs: Dict[int, DictConfig], task_error: Optional[str]
+) -> bytes:
+    """The job's request: as the local launcher's, with the launch dir to run in."""
+    assert launcher.hydra_context is not None
+    return encode_request(
+        JobRequest(
+            plan=plan,
+            config=configs[plan.idx],
+            hydra_context=launcher.hydra_context,
+            environ={},  # each node's own, as sbatch exported this one's
+            cwd=os.getcwd(),
+            ignored_signals=[],
+            devices=None,  # SLURM's: CUDA_VISIBLE_DEVICES as it sets it on the node
+            task_error=task_error,
+        )
+    )
+
+
+def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
+    """Every job's batch script, as it would be submitted; nothing is."""
+    directory = sweep_dir / ".slurm"
+    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job; nothing is submitted"]
+    for plan in plans:
+        conf = plan.settings.conf
+        lines += [
+            f"\t#{plan.idx} : {' '.join(plan.overrides)}",
+            f"\t\tjob dir: {plan.output_dir}",
+            f"\t\tranks:   {plan.nproc} per node x {options[plan.idx].nodes} node(s), {conf.start_method}",
+            "\t\tsbatch script:",
+            *(
+                f"\t\t\t{line}"
+                for line in batch_script(
+                    options[plan.idx], [plan.idx], directory, str(sweep_dir)
+                ).splitlines()
+            ),
+        ]
+    return "\n".join(lines)

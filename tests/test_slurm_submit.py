@@ -1,0 +1,386 @@
+"""`hydra/launcher=torchrun_slurm` on a real SLURM cluster: four compute nodes on this machine.
+
+The sweep is started on the host, outside every node, as a user starts it on a login node:
+each job becomes a SLURM job of its own, its ranks run on the nodes SLURM gives it. The
+tests read what a user reads: the launcher's console, the sweep's files, `squeue`. They
+skip where a cluster cannot run (not root, no SLURM) and fail there under REQUIRE_SLURM=1.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from tests.conftest import kill_tree
+from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
+
+APP_DIR = Path(__file__).parent / "submit_app"
+SWEEP_TIMEOUT_S = 240
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    skip_or_fail(unavailable())
+    with SlurmCluster(tmp_path_factory.mktemp("cluster"), nodes=4) as running:
+        yield running
+
+
+@pytest.fixture
+def app_dir(tmp_path: Path) -> Path:
+    target = tmp_path / "app"
+    shutil.copytree(APP_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def _command(*overrides: str) -> List[str]:
+    return [
+        sys.executable,
+        "app.py",
+        "--multirun",
+        "hydra/launcher=torchrun_slurm",
+        "hydra.sweep.dir=sweep",
+        *overrides,
+    ]
+
+
+def _sweep(cluster: SlurmCluster, app_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(*overrides),
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+
+
+def _start(cluster: SlurmCluster, app_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        _command(*overrides),
+        cwd=app_dir,
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _summary(app_dir: Path) -> dict:
+    return {
+        job["num"]: job for job in json.loads((app_dir / "sweep" / "sweep_summary.json").read_text())["jobs"]
+    }
+
+
+def _queue(cluster: SlurmCluster) -> List[str]:
+    shown = cluster.run(["squeue", "--noheader", "--format=%i %T"])
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout.split("\n")[:-1]
+
+
+def _wait_for(predicate, what: str, timeout_s: float = SWEEP_TIMEOUT_S):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = predicate()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(cluster, app_dir, "hydra.launcher.nodes=2", "hydra.launcher.nproc_per_node=2", "x=1,2,3")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(3)] == ["COMPLETED"] * 3, output
+    for n in range(3):
+        value = jobs[n]["return_value"]
+        assert value["x"] == n + 1 and value["world"] == 4, value
+        assert len(value["hosts"]) == 2 and set(value["hosts"]) <= set(cluster.nodes), value
+        # every rank saw what it sees under the local launcher, from its first line
+        assert value["ranks_saw"] == [
+            {"rank_at_import": str(rank), "job_tag": f"job_{n}", "in_job_dir": True} for rank in range(4)
+        ], value
+        # Hydra's bookkeeping once per job, on its first node
+        starts = (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split()
+        assert len(starts) == 1 and starts[0] in value["hosts"], starts
+    for n in range(3):
+        assert f"job #{n} (SLURM job " in output and " started on node" in output, output
+        assert (app_dir / "sweep" / str(n) / ".hydra" / "config.yaml").exists()
+        assert (app_dir / "sweep" / str(n) / "rerun.sh").exists()
+    assert "3 jobs: 3 completed" in output, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_failing_rank_fails_its_job_with_the_ranks_exception_the_others_complete(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "fail_rank=1",
+        "fail_x=2",
+        "x=1,2,3",
+    )
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(3)] == ["COMPLETED", "FAILED", "COMPLETED"], output
+    assert "ValueError: rank 1 failed on purpose (x=2)" in jobs[1]["error"], jobs[1]["error"]
+    assert "rank 1 failed on purpose (x=2)" in output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_an_impossible_request_fails_at_once_with_slurms_reason(cluster: SlurmCluster, app_dir: Path) -> None:
+    started = time.monotonic()
+    result = _sweep(cluster, app_dir, "hydra.launcher.partition=nosuch", "x=1,2")
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["FAILED", "FAILED"], output
+    assert "sbatch refused the job" in jobs[0]["error"] and "invalid partition" in jobs[0]["error"].lower(), (
+        jobs[0]
+    )
+    assert "Traceback" not in output, output
+    assert took < 60, took
+
+
+def test_dry_run_prints_each_jobs_sbatch_script_and_submits_nothing(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.partition=debug",
+        "hydra.launcher.dry_run=true",
+        "x=1,2",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("#SBATCH --nodes=2") == 2, output
+    assert "#SBATCH --partition=debug" in output and "#SBATCH --signal=USR2@120" in output, output
+    assert "_submit.node" in output and "srun --ntasks-per-node=1" in output, output
+    assert not (app_dir / "sweep" / "sweep_summary.json").exists()
+    assert not _queue(cluster)
+
+
+def _submitted(app_dir: Path, count: int) -> List[str]:
+    path = app_dir / "sweep" / ".slurm" / "submitted.json"
+
+    def found() -> List[str]:
+        try:
+            jobs = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return []
+        return [jobs[str(n)]["slurm_id"] for n in range(count)] if len(jobs) == count else []
+
+    return _wait_for(found, f"{count} submitted jobs in {path}")
+
+
+def _running(cluster: SlurmCluster, count: int) -> List[str]:
+    return _wait_for(
+        lambda: len([line for line in _queue(cluster) if line.endswith("RUNNING")]) == count,
+        f"{count} running jobs",
+    )
+
+
+def test_ctrl_c_cancels_every_job_of_the_sweep(cluster: SlurmCluster, app_dir: Path) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2,3,4,5")
+    try:
+        ids = _submitted(app_dir, 5)
+        _running(cluster, 4)  # four nodes: the fifth job waits
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 130, output
+    lines = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGINT: cancelled")]
+    assert len(lines) == 1 and all(slurm_id in lines[0] for slurm_id in ids), output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+    assert {job["status"] for job in _summary(app_dir).values()} == {"STOPPED"}
+
+
+def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(
+        cluster, app_dir, "hydra.launcher.nodes=2", "hydra.launcher.nproc_per_node=2", "steps=25", "x=1,2"
+    )
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    first = jobs[0]["return_value"]
+    assert first["resumed"] is True and 0 < first["from"] < 25, first
+    assert jobs[1]["return_value"]["resumed"] is False
+    text = out.read_text()
+    assert (
+        sorted(line for line in text.splitlines() if ": stopping after step" in line)
+        and "is requeued" in text
+    )
+    stops = {
+        line.split(": stopping after step ")[1]
+        for line in text.splitlines()
+        if ": stopping after step" in line
+    }
+    assert len(stops) == 1 and text.count(": stopping after step") == 4, text  # every rank, the same step
+    said = [
+        line for line in output.splitlines() if f"job #0 (SLURM job {ids[0]}) " in line and "requeued" in line
+    ]
+    assert said, output
+
+
+def test_a_launcher_killed_and_started_again_submits_no_job_twice(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=20", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=20", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Submitting" not in output, output
+    assert all(f"SLURM job {slurm_id}, submitted before" in output for slurm_id in ids), output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+
+
+def test_two_one_node_jobs_run_at_once_on_different_nodes(cluster: SlurmCluster, app_dir: Path) -> None:
+    result = _sweep(cluster, app_dir, "steps=10", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    hosts = [jobs[n]["return_value"]["hosts"] for n in range(2)]
+    assert len(hosts[0]) == 1 and len(hosts[1]) == 1 and hosts[0] != hosts[1], hosts
+    lines = output.splitlines()
+    first_end = min(i for i, line in enumerate(lines) if " ended: " in line)
+    assert len([line for line in lines[:first_end] if " started on " in line]) == 2, output
+
+
+def test_a_failing_rank_on_the_second_node_fails_its_job_with_that_ranks_exception(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "fail_rank=3",
+        "fail_x=1",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "rank 3 failed on purpose (x=1)" in job["error"], job["error"]
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_job_cancelled_outside_the_launcher_fails_with_slurms_state(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        _running(cluster, 2)
+        cancelled = cluster.run(["scancel", ids[0], ids[1]])
+        assert cancelled.returncode == 0, cancelled.stderr
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        kill_tree(launcher)
+    jobs = _summary(app_dir)
+    for n in range(2):
+        assert jobs[n]["status"] == "FAILED", output
+        assert f"SLURM job {ids[n]} ended CANCELLED" in jobs[n]["error"], jobs[n]["error"]
+        assert f"sweep/.slurm/job{n}." in jobs[n]["error"], jobs[n]["error"]  # where its output is
+    assert "Traceback" not in output, output
+
+
+def test_a_job_at_its_time_limit_stops_and_fails_when_no_requeue_is_left(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.timeout_min=1",
+        "hydra.launcher.signal_delay_s=50",
+        "hydra.launcher.max_num_timeout=0",
+        "steps=2000",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "reached its time limit" in job["error"] and "max_num_timeout=0" in job["error"], job["error"]
+    out = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
+    assert "rank 0: stopping after step" in out and "is requeued" not in out, out
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_optuna_sweeps_through_slurm_jobs_with_rank_0s_values(cluster: SlurmCluster, tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    app_dir = tmp_path / "optuna"
+    shutil.copytree(
+        Path(__file__).parent / "integration_apps", app_dir, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "optuna_app.py",
+            "--multirun",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.sampler.seed=123",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_jobs=2",
+            "hydra/launcher=torchrun_slurm",
+            "hydra.launcher.nproc_per_node=2",
+            "x=interval(-5.0, 5.0)",
+            "+hydra.callbacks.record._target_=__main__.RecordReturn",
+            "hydra.sweep.dir=sweep",
+        ],
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert output.count("Submitting 2 jobs to SLURM") == 2, output
+    values = []
+    for n in range(4):
+        rank0 = json.loads((app_dir / "sweep" / str(n) / "rank0.json").read_text())
+        returned = json.loads((app_dir / "sweep" / str(n) / "job_return.json").read_text())
+        assert returned["status"] == "COMPLETED" and returned["return_value"] == rank0["value"], (
+            rank0,
+            returned,
+        )
+        values.append(rank0["value"])
+    results = (app_dir / "sweep" / "optimization_results.yaml").read_text()
+    assert f"best_value: {min(values)}" in results, results
