@@ -165,15 +165,17 @@ def test_without_signals_to_handle_an_ignored_signal_is_said_by_name(
     present = _launch_config.launch_config_fields()
     monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"signals_to_handle"})
     monkeypatch.setattr(_launch_config, "_WARNED", set())
-    with caplog.at_level("WARNING"):
-        _launch_config.check_supported(settings())
-        assert not caplog.records
-        previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        try:
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        with caplog.at_level("WARNING"):
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever this test runs under (nohup)
+            _launch_config.check_supported(settings())
+            assert not caplog.records
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
             _launch_config.check_supported(settings())
             _launch_config.check_supported(settings())
-        finally:
-            signal.signal(signal.SIGHUP, previous)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
         "ignores, stops the job's ranks all the same"
