@@ -74,7 +74,9 @@ def build_venv(version: str, venvs: Path, pip_cache: Optional[Path]) -> "tuple[P
     if not (venv / "bin" / "python").exists():
         _run([sys.executable, "-m", "venv", str(venv)], env)
     python = str(venv / "bin" / "python")
-    _run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip"], env)
+    # setuptools: tests/test_parity.py builds a package without build isolation, which needs a
+    # setuptools that builds wheels itself (torch 2.13 and later pull one in; older ones do not)
+    _run([python, "-m", "pip", "install", "--quiet", "--upgrade", "pip", "setuptools>=70.1"], env)
     # compat mode: Hydra 1.3 finds the plugin by scanning the hydra_plugins namespace package
     _run(
         [
