@@ -2,7 +2,7 @@
 
 They apply in the job's own process (`_job.process`), which runs one job's elastic agent
 and nothing else, so they never touch the launcher or another job. Each checks that the
-torch it finds has the shape it was written against (checked on torch 2.13 to 2.15) and
+torch it finds has the shape it was written against (checked on torch 2.6 to 2.15) and
 otherwise leaves torch alone, with one warning where a documented promise then does not hold.
 
 - `PContext.close` (torch.distributed.elastic.multiprocessing.api, public), only where
