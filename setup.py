@@ -26,7 +26,9 @@ setup(
         "hydra-core>=1.3.2,<1.5",
         "omegaconf>=2.3",
         "cloudpickle>=2.0",
-        "torch>=2.13",
+        # 2.6: torch.load's weights_only default; older releases lack what the launcher
+        # feature-detects (docs/torch-versions.md: the releases the suite ran on)
+        "torch>=2.6",
     ],
     extras_require={
         "test": [

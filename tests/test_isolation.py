@@ -174,7 +174,16 @@ def test_script_paths_are_taken_from_where_the_sweep_was_launched(
             assert (app_dir / "sweep" / str(job) / f"script_rank{rank}.txt").read_text() == f"--x {x}"
 
 
+def _torch_lacks(field_name: str) -> bool:
+    """Whether the installed torch's LaunchConfig lacks the field (each older release lacks some)."""
+    from hydra_plugins.hydra_torchrun_launcher._job.launch_config import launch_config_fields
+
+    return field_name not in launch_config_fields()
+
+
 def test_virtual_local_rank_gives_each_rank_its_own_device(tmp_path: Path) -> None:
+    if _torch_lacks("virtual_local_rank"):
+        pytest.skip("this torch has no virtual_local_rank: refused by name (test_launcher's cannot_honour)")
     app_dir = _install(tmp_path)
     _sweep(
         app_dir,
@@ -233,6 +242,8 @@ def _ignore_hangup() -> None:
 
 
 def test_signal_ignored_by_the_launcher_stays_ignored_with_parallel_jobs(tmp_path: Path) -> None:
+    if _torch_lacks("signals_to_handle"):
+        pytest.skip("this torch's agent handles SIGHUP whatever the launcher ignores: the next test")
     app_dir = _install(tmp_path)
     sweep_dir = app_dir / "sweep"
     command = [
@@ -260,6 +271,29 @@ def test_signal_ignored_by_the_launcher_stays_ignored_with_parallel_jobs(tmp_pat
     for job in (0, 1):
         assert sorted(_records(sweep_dir, job)) == [0, 1]
         assert json.loads((sweep_dir / str(job) / "on_job_end.json").read_text())["status"] == "COMPLETED"
+
+
+def test_without_signals_to_handle_an_ignored_signal_torch_handles_is_said_at_launch(tmp_path: Path) -> None:
+    """torch before 2.10 stops a job's ranks on SIGHUP even under nohup: the launch says so."""
+    import torch
+
+    if not _torch_lacks("signals_to_handle"):
+        pytest.skip("this torch's agent leaves an ignored signal ignored: the test above")
+    app_dir = _install(tmp_path)
+    command = [sys.executable, "app.py", "-m", "hydra.sweep.dir=sweep", "x=0,1"]
+    proc = _start_as_from_a_terminal(command, app_dir, tmp_path / "out.txt", preexec_fn=_ignore_hangup)
+    try:
+        assert proc.wait(timeout=240) == 0, (tmp_path / "out.txt").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = (
+        f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
+        "ignores, stops the job's ranks all the same"
+    )
+    output = (tmp_path / "out.txt").read_text()
+    assert sum(said in line for line in output.splitlines()) == 1, output  # once, for the whole sweep
 
 
 @pytest.mark.parametrize("presses", [1, 2])

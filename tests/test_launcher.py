@@ -472,6 +472,39 @@ def test_an_unknown_key_is_refused_in_the_launchers_own_line(tmp_path: Path) -> 
     ], result.stderr
 
 
+@pytest.mark.parametrize(
+    "key, override, value",
+    [
+        ("virtual_local_rank", "true", True),
+        ("numa_binding", "node", "node"),
+        ("event_log_handler", "console", "console"),
+        ("duplicate_stdout_filters", "[loss]", ["loss"]),
+        ("duplicate_stderr_filters", "[loss]", ["loss"]),
+        ("signals_to_handle", "SIGTERM", "SIGTERM"),
+        ("shutdown_timeout", "7", 7),
+        ("log_line_prefix_template", "'[{rank}]'", "[{rank}]"),
+    ],
+)
+def test_a_key_the_installed_torch_cannot_honour_is_refused_by_name(
+    tmp_path: Path, key: str, override: str, value: Any
+) -> None:
+    """On a torch whose LaunchConfig lacks the key's field (each older release lacks some),
+    setting the key is refused, naming it and that torch, before any rank starts: never
+    dropped in silence. Where the installed torch honours the key there is nothing to refuse."""
+    import torch
+
+    from hydra_plugins.hydra_torchrun_launcher._job.launch_config import _FIELD_OF_KEY, honoured_fields
+
+    if _FIELD_OF_KEY[key] in honoured_fields():
+        pytest.skip(f"torch {torch.__version__} honours hydra.launcher.{key}")
+    result = _refused_before_any_rank(tmp_path, f"hydra.launcher.{key}={override}")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[0] == (
+        f"job #0 (+x=1): hydra.launcher.{key}={value!r} is not supported by the installed torch "
+        f"{torch.__version__}; leave it at its default or upgrade torch"
+    ), result.stderr
+
+
 def test_return_value_that_cannot_be_pickled_fails_only_its_job(
     hydra_sweep_runner: TSweepRunner, tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
 """The config contract: every torchrun key, the plugin's defaults, checks that name the key."""
 
+import signal
 from dataclasses import asdict, fields
 
 import pytest
@@ -48,8 +49,13 @@ def settings(**overrides):
 def test_every_torchrun_flag_is_a_key_and_the_plugin_adds_only_its_own() -> None:
     keys = {f.name for f in fields(TorchrunLauncherConf)} - {"_target_"}
     assert set(TORCHRUN_DEFAULTS) - keys == set(), "torchrun flags with no launcher key"
-    # a flag of a newer torchrun than the installed one (2.14; an environment variable before)
-    newer = {"log_line_prefix_template"}
+    # flags of a newer torchrun than the installed one: log_line_prefix_template (2.14; an
+    # environment variable before), and every key whose LaunchConfig field this torch lacks (the
+    # launcher refuses them when set: the tests below)
+    have = _launch_config.launch_config_fields()
+    newer = {"log_line_prefix_template"} | {
+        key for key, field_name in _launch_config._FIELD_OF_KEY.items() if field_name not in have
+    }
     assert keys - set(TORCHRUN_DEFAULTS) - newer == PLUGIN_KEYS
 
 
@@ -90,29 +96,90 @@ def test_each_job_of_a_sweep_gets_its_own_rendezvous_on_a_free_port() -> None:
     assert len({first.run_id, second.run_id, other_sweep.run_id}) == 3
 
 
-def test_a_key_the_installed_torch_lacks_is_refused_only_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+# a value other than the default for every key that a LaunchConfig field carries
+SET_VALUES = {
+    "log_line_prefix_template": "[{rank}]",
+    "event_log_handler": "console",
+    "signals_to_handle": "SIGTERM",
+    "duplicate_stdout_filters": ["loss"],
+    "duplicate_stderr_filters": ["loss"],
+    "virtual_local_rank": True,
+    "shutdown_timeout": 7,
+    "numa_binding": "node",
+    "local_addr": "127.0.0.1",
+    "local_ranks_filter": "0",
+}
+
+
+def test_every_key_a_launch_config_field_carries_has_a_value_here() -> None:
+    # logs_specs: its value must name an installed entry point; the test above names one's absence
+    assert set(SET_VALUES) | {"logs_specs"} == set(_launch_config._FIELD_OF_KEY)
+
+
+@pytest.mark.parametrize("key", sorted(SET_VALUES))
+def test_every_key_is_refused_by_name_where_torch_lacks_its_field(
+    key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whichever torch is installed: take the field away, and the key is refused when set."""
+    field_name = _launch_config._FIELD_OF_KEY[key]
     present = _launch_config.launch_config_fields()
-    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"numa_options"})
-    _launch_config.check_supported(settings())  # at its default: ignored
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {field_name})
+    monkeypatch.setattr(_launch_config, "close_takes_a_timeout", lambda: False)
+    _launch_config.check_supported(settings())  # at its default: harmless
     with pytest.raises(LauncherConfigError) as refused:
-        _launch_config.check_supported(settings(numa_binding="node"))
-    assert str(refused.value).startswith("hydra.launcher.numa_binding='node' is not supported")
-    assert torch.__version__ in str(refused.value)
+        _launch_config.check_supported(settings(**{key: SET_VALUES[key]}))
+    assert str(refused.value).startswith(f"hydra.launcher.{key}={SET_VALUES[key]!r} is not supported")
+    assert f"torch {torch.__version__}" in str(refused.value)
 
 
-@pytest.mark.parametrize("field_name", ["signals_to_handle", "shutdown_timeout"])
-def test_a_default_promise_the_installed_torch_cannot_keep_is_said_by_name(
-    field_name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_shutdown_timeout_without_its_field_goes_to_torchs_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch before 2.12 has no LaunchConfig.shutdown_timeout; its PContext.close takes the timeout."""
+    present = _launch_config.launch_config_fields()
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"shutdown_timeout"})
+    assert _launch_config.close_takes_a_timeout()  # every torch setup.py allows
+    _launch_config.check_supported(settings(shutdown_timeout=7))  # honoured: not refused
+
+
+def test_a_default_the_installed_torch_cannot_keep_is_said_once_by_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     present = _launch_config.launch_config_fields()
-    assert field_name in present  # every torch setup.py allows has it: the warning is for a later one
-    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {field_name})
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"shutdown_timeout"})
+    monkeypatch.setattr(_launch_config, "close_takes_a_timeout", lambda: False)
     monkeypatch.setattr(_launch_config, "_WARNED", set())
     with caplog.at_level("WARNING"):
         _launch_config.check_supported(settings())
         _launch_config.check_supported(settings())
-    said = [r.getMessage() for r in caplog.records if f"LaunchConfig.{field_name}" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith(f"torch {torch.__version__} has no "), said
+    said = [r.getMessage() for r in caplog.records if "LaunchConfig.shutdown_timeout" in r.getMessage()]
+    assert said == [
+        f"torch {torch.__version__} has no LaunchConfig.shutdown_timeout: stopped ranks get torch's 30 s, "
+        "not hydra.launcher.shutdown_timeout, before SIGKILL"
+    ]
+
+
+def test_without_signals_to_handle_an_ignored_signal_is_said_by_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch before 2.10 handles its four signals whatever the launcher says: said when it matters,
+    i.e. when the launcher runs with one of them ignored (nohup), and only then."""
+    present = _launch_config.launch_config_fields()
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"signals_to_handle"})
+    monkeypatch.setattr(_launch_config, "_WARNED", set())
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        with caplog.at_level("WARNING"):
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever this test runs under (nohup)
+            _launch_config.check_supported(settings())
+            assert not caplog.records
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            _launch_config.check_supported(settings())
+            _launch_config.check_supported(settings())
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
+        "ignores, stops the job's ranks all the same"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from .._shared.stop_files import RANKS_STARTED_ENV, RANKS_STARTED_FILE, RESUMED_
 from . import preempt
 from .console import RankConsole
 from .failures import JobFailedError, job_error, stops_interrupt
-from .launch_config import agent_environment, build_launch_config
+from .launch_config import agent_environment, build_launch_config, launch_config_fields
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -79,7 +79,11 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             # `python -m` finds the module where the sweep was launched, as torchrun's would
             path = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
-    adjust_torch_for_this_job(conf.shutdown_timeout, single_node=plan.settings.max_nodes == 1)
+    adjust_torch_for_this_job(
+        conf.shutdown_timeout,
+        single_node=plan.settings.max_nodes == 1,
+        close_timeout="shutdown_timeout" not in launch_config_fields(),
+    )
     if plan.settings.max_nodes > 1:
         keep_rendezvous_handlers()
     _rank_exits_to_file(plan.output_dir / AGENT_LOG)

@@ -19,7 +19,8 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings, Rendezvous
-from .._shared.signals import not_ignored
+from .._shared.signals import not_ignored, signals_named
+from .torch_adjustments import close_takes_a_timeout
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,6 @@ _FIELD_OF_KEY = {
 }
 
 
-# what the launcher's defaults promise through a LaunchConfig field; a torch without the
-# field cannot keep it, and the launch says so, once, by name
-_PROMISE_OF_FIELD = {
-    "signals_to_handle": "a signal the launcher was started ignoring (nohup, a background job) "
-    "is handled by the job's agent all the same",
-    "shutdown_timeout": "stopped ranks get torch's 30 s, not hydra.launcher.shutdown_timeout, before SIGKILL",
-}
 _WARNED: Set[str] = set()
 
 _PLACEHOLDER = re.compile(r"(?<!\$)\{(role_name|rank|local_rank)\}")
@@ -99,9 +93,19 @@ def rendezvous_for(settings: JobSettings, sweep_key: str, job_num: int) -> Rende
     return Rendezvous(conf.rdzv_backend, conf.rdzv_endpoint, run_id, configs)
 
 
-def check_supported(settings: JobSettings) -> None:
-    """Refuse, by name, a key the user set that the installed torch cannot honour."""
+def honoured_fields() -> Set[str]:
+    """The LaunchConfig fields the installed torch honours: its own, and `shutdown_timeout`
+    where torch has no such field (before 2.12) but the job can pass it to `PContext.close`."""
     have = launch_config_fields()
+    if "shutdown_timeout" not in have and close_takes_a_timeout():
+        have.add("shutdown_timeout")
+    return have
+
+
+def check_supported(settings: JobSettings) -> None:
+    """Refuse, by name, a key the user set that the installed torch cannot honour; say once
+    where a default of the launcher's cannot hold on it."""
+    have = honoured_fields()
     for key, value in settings.changed_from_default().items():
         field_name = _FIELD_OF_KEY.get(key)
         if field_name is not None and field_name not in have:
@@ -110,10 +114,26 @@ def check_supported(settings: JobSettings) -> None:
                 f"{torch.__version__}; leave it at its default or upgrade torch"
             )
     _check_numa_binding(settings)
-    for field_name, broken in _PROMISE_OF_FIELD.items():
-        if field_name not in have and field_name not in _WARNED:
-            _WARNED.add(field_name)
-            log.warning(f"torch {torch.__version__} has no LaunchConfig.{field_name}: {broken}")
+    signals = settings.conf.signals_to_handle
+    ignored = sorted(set(signals_named(signals)) - set(signals_named(not_ignored(signals))))
+    if "signals_to_handle" not in have and ignored:
+        # torch before 2.10 handles SIGTERM, SIGINT, SIGHUP and SIGQUIT whatever the launcher says
+        _warn_once(
+            "signals_to_handle",
+            f"{', '.join(sig.name for sig in ignored)}, which this process ignores, "
+            "stops the job's ranks all the same",
+        )
+    if "shutdown_timeout" not in have:
+        _warn_once(
+            "shutdown_timeout",
+            "stopped ranks get torch's 30 s, not hydra.launcher.shutdown_timeout, before SIGKILL",
+        )
+
+
+def _warn_once(field_name: str, broken: str) -> None:
+    if field_name not in _WARNED:
+        _WARNED.add(field_name)
+        log.warning(f"torch {torch.__version__} has no LaunchConfig.{field_name}: {broken}")
 
 
 def _check_numa_binding(settings: JobSettings) -> None:

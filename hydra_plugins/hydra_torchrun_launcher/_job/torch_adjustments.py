@@ -2,8 +2,15 @@
 
 They apply in the job's own process (`_job.process`), which runs one job's elastic agent
 and nothing else, so they never touch the launcher or another job. Each checks that the
-torch it finds has the shape it was written against (checked on torch 2.13 to 2.15) and
+torch it finds has the shape it was written against (checked on torch 2.6 to 2.15) and
 otherwise leaves torch alone, with one warning where a documented promise then does not hold.
+
+- `PContext.close` (torch.distributed.elastic.multiprocessing.api, public), only where
+  `LaunchConfig` has no `shutdown_timeout` field (torch before 2.12, which has neither the
+  field nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the agent stops its ranks through it without a
+  timeout, so they get its default 30 s between the graceful signal and SIGKILL. Here its
+  documented `timeout` argument defaults to the job's `shutdown_timeout` instead, as the
+  field does where torch has it.
 
 - `ProcessContext.join` (torch.multiprocessing.spawn, public): on a rank's failure torch's
   agent calls it without a grace period, and it then waits a hard-coded 30 s between
@@ -32,8 +39,11 @@ from typing import Any, Optional
 log = logging.getLogger(__name__)
 
 
-def adjust_torch_for_this_job(shutdown_timeout: float, single_node: bool) -> None:
+def adjust_torch_for_this_job(shutdown_timeout: int, single_node: bool, close_timeout: bool) -> None:
+    """`close_timeout`: torch's LaunchConfig cannot carry shutdown_timeout, `PContext.close` does."""
     _join_within_shutdown_timeout(shutdown_timeout)
+    if close_timeout:
+        _close_within_shutdown_timeout(shutdown_timeout)
     _cheap_method_names()
     if single_node:
         _no_skew_delay()
@@ -65,6 +75,27 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
         return original(self, timeout, grace_period)
 
     ProcessContext.join = join  # type: ignore[method-assign]
+
+
+def close_takes_a_timeout() -> bool:
+    """Whether this torch's `PContext.close` takes the seconds before SIGKILL (every torch
+    setup.py allows does; checked so that a later one that does not is never patched)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    return list(inspect.signature(PContext.close).parameters) == ["self", "death_sig", "timeout"]
+
+
+def _close_within_shutdown_timeout(seconds: int) -> None:
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    if not close_takes_a_timeout():
+        return  # check_supported refused a shutdown_timeout this torch cannot honour
+    original = PContext.close
+
+    def close(self: Any, death_sig: Any = None, timeout: Optional[int] = None) -> None:
+        original(self, death_sig, seconds if timeout is None else timeout)
+
+    PContext.close = close  # type: ignore[method-assign]
 
 
 def _cheap_method_names() -> None:

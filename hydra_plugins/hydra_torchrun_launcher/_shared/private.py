@@ -11,7 +11,10 @@ import logging
 from typing import Any, Callable, NamedTuple, Optional, Type
 
 # the releases every entry was checked on
-CHECKED_ON = "torch 2.13.0, 2.14.1, 2.15.0; hydra-core 1.3.2, 1.3.8, 1.4.0rc3; CPython 3.11"
+CHECKED_ON = (
+    "torch 2.6.0, 2.8.0, 2.10.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0; hydra-core 1.3.2, 1.3.8, 1.4.0rc3; "
+    "CPython 3.11"
+)
 
 
 class PrivateName(NamedTuple):
