@@ -30,7 +30,14 @@ from .._launcher.lock import hold_sweep_lock
 from .._launcher.pool import SweepStopped, react_to_stop
 from .._launcher.report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .._launcher.reproduce import write_rerun_script
-from .._launcher.resume import Record, log_resumption, read_record, resumption, save_return
+from .._launcher.resume import (
+    Record,
+    continues_in_place,
+    log_resumption,
+    read_record,
+    resumption,
+    save_return,
+)
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
@@ -99,10 +106,23 @@ def launch(
         )
     report: SweepReport = launcher.report
     resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    log_resumption(sweep_dir, resumed)
+    # where the ranks of an unfinished job ran before: it continues there (its node decides
+    # resumed(), from the ranks' mark in the job dir)
+    in_place = {
+        plan.idx
+        for plan in plans
+        if plan.idx in resumed.preempted
+        and continues_in_place(sweep_dir, resumed.recorded[plan.idx], plan.output_dir)
+    }
+    log_resumption(sweep_dir, resumed, in_place)
     directory = slurm_dir(sweep_dir)
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
-    report.launching(plans, done=sorted(resumed.completed), preempted=sorted(resumed.preempted))
+    report.launching(
+        plans,
+        done=sorted(resumed.completed),
+        preempted=sorted(resumed.preempted),
+        returned={num: ret.return_value for num, ret in resumed.completed.items()},
+    )
     sweep = _Sweep(directory, report)
     try:
         with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
