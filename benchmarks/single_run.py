@@ -27,7 +27,12 @@ into a sweep dir would resume instead of running).
 
     python benchmarks/single_run.py [--rounds 5] [--cases lightning,trivial,sweep] [--compare-with DIR]
 
-Measured on a 2-core machine heavily shared with other work (1-min load average 8 to 16
+The figures below were measured with a warm server forked from the launcher (then
+`launcher`; `cold` its first run), a design that was withdrawn before release: the launcher
+has run the app's module body, and what that body does to installed packages (a custom op
+registered, a singleton that read RANK, a handler on a library's logger) reached the ranks of
+the fork. Today's launcher is the `other (before)` column, for every run. Measured on a 2-core
+machine heavily shared with other work (1-min load average 8 to 16
 at round starts: every command ran several times slower than alone, so compare within a
 row), CPU torch 2.13, Lightning 2.6.6, 5 rounds, medians in seconds (ratio to torchrun);
 `other` is the revision before the warm server could be a fork of the launcher:

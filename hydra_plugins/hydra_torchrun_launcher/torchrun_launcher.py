@@ -51,12 +51,11 @@ class TorchrunLauncher(Launcher):
         from ._launcher.preload import preload_modules
         from ._server.server import warm_server
 
-        # started first, so that what it still imports overlaps with composing and checking the jobs
-        value = self.params.get("preload", "auto")
-        preload = preload_modules(value)
+        # started first, so that its imports (torch, the app's packages) overlap with the
+        # launcher's own and with composing and checking the jobs
+        preload = preload_modules(self.params.get("preload", "auto"))
         if self.params.get("dry_run") is not True:
-            # a fork of this process where that is safe: its imports are done (`_server.fork`)
-            warm_server(preload, fork=value == "auto")
+            warm_server(preload)
         from ._launcher import core
 
         return core.launch(

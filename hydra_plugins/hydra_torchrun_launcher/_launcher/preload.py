@@ -4,10 +4,12 @@
 launcher process can see; the server (`_server.server`) is then started with the list.
 """
 
+import os
+import site
 import sys
+import sysconfig
 from typing import Any, FrozenSet, Iterable
 
-from .._server.fork import site_package_roots
 from .._shared.plan import JobPlan
 from .._shared.stop_files import RESUMED_ENV, STOP_FILE_ENV
 from .settings import check_preload
@@ -46,7 +48,11 @@ def preload_modules(value: Any) -> "tuple[str, ...]":
     check_preload(value)
     if value != "auto":
         return tuple(value)
-    roots = site_package_roots()
+    roots = tuple(
+        os.path.join(path, "")
+        for path in {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
+        if "site-packages" in path or "dist-packages" in path
+    )
     names = set()
     for name, module in list(sys.modules.items()):
         if "." in name or name.startswith("_") or name in _NOT_PRELOADED:

@@ -3,12 +3,10 @@
 Each sweep job runs in a process of its own (its "job process": Hydra's `run_job` and
 torch's elastic agent, see `_job.process`), so jobs running at once share no
 process-global state. Starting that process with a fresh `import torch` would cost
-seconds per job; forking it from the launcher at each job would copy the launcher's
-threads and half-finished state. So the launcher starts this server once and asks it to
-fork a job process per job. The server is a fork of the launcher, made when the sweep
-launches, where that is safe (`_server.fork`: no imports left to do); else a fresh
-interpreter, single-threaded, which imports torch, the app's packages and Hydra's plugins
-and never initialises CUDA.
+seconds per job; forking it from the launcher would copy the launcher's threads and
+half-finished state. So the launcher starts this server once (a fresh interpreter,
+single-threaded, which imports torch and Hydra's plugins and never initialises CUDA) and
+asks it to fork a job process per job.
 
 Protocol, over a Unix socket pair: the launcher sends one message per job whose
 ancillary data are two pipe ends, the job's payload (read end) and its result (write
@@ -33,16 +31,6 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 from .._rank.preloaded import REDONE_IN_RANK
 from .._shared.lifetime import die_with_parent
 from .._shared.signals import group_signals
-from .fork import (
-    become_fresh,
-    flush_before_fork,
-    fork_hazard,
-    library_roots,
-    native_threads,
-    site_package_roots,
-    thread_hazard,
-)
-from .remembered import modules_of, recall, remember
 from .watch import watched_import
 
 # what every job process imports anyway: done once here, inherited by every fork
@@ -68,48 +56,20 @@ _TRACKER_QUIET = "ignore:resource_tracker:UserWarning:multiprocessing.resource_t
 
 
 def serve(fd: int) -> None:
-    """Main of a fresh server process (started by `WarmServer`): preload, then serve."""
+    """Main loop of the server process (started by `WarmServer.start`)."""
     die_with_parent()
     for sig in group_signals():
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    sys_path, preload, also = _recv_frame(sock)
+    sys_path, preload = _recv_frame(sock)
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
     try:
-        report = _preload(preload, lambda name: _send_frame(sock, ("importing", name)), also)
+        report = _preload(preload, lambda name: _send_frame(sock, ("importing", name)))
         _send_frame(sock, ("done", report))
     except BrokenPipeError:
         os._exit(0)  # the launcher went away (or replaced this server) while it preloaded
     if report["unsafe"] is not None:
         os._exit(3)  # no rank may be forked from here: the launcher starts a server without it
-    _serve_jobs(sock)
-
-
-def _serve_forked(sock: socket.socket) -> None:
-    """Main of a server forked from the launcher (`WarmServer`): shed the launcher's state,
-    import what the launcher had not (torch, for an app that imports none), then serve."""
-    code = 1
-    try:
-        die_with_parent()
-        os.setpgid(0, 0)  # a group of its own, as a fresh server's
-        become_fresh(sock.fileno(), library_roots(site_package_roots()))
-        for sig in group_signals():
-            signal.signal(sig, signal.SIG_IGN)
-        _base_imports()
-        _scan_plugins()
-        _serve_jobs(sock)
-        code = 0
-    except BaseException:  # the launcher reports the exit status; the cause goes to its stderr
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _serve_jobs(sock: socket.socket) -> None:
-    """Fork a job process per request until the launcher is gone."""
     # multiprocessing's resource tracker, started once here: every job process inherits it.
     # It still unlinks what a job process killed on a second Ctrl-C could not, but without
     # its "leaked semaphore objects" warning on the user's console after the sweep's last line.
@@ -200,30 +160,7 @@ def _reap(sock: socket.socket, children: Set[int]) -> None:
             sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
 
 
-def _base_imports() -> None:
-    """What every job process needs, imported once here."""
-    import importlib
-
-    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job.process"):
-        importlib.import_module(name)
-    if "numpy" in sys.modules:  # torch's; its global generator too, so that seeding it is seen
-        importlib.import_module("numpy.random")
-
-
-def _scan_plugins() -> None:
-    """Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs."""
-    import importlib
-
-    from hydra.core.plugins import Plugins
-
-    global PLUGINS, SCANNED_PATH
-    PLUGINS = Plugins.instance()
-    SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
-
-
-def _preload(
-    modules: Sequence[str], importing: Callable[[str], None], also: Optional[Dict[str, List[str]]] = None
-) -> Dict[str, Any]:
+def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[str, Any]:
     """Import torch, our rank-side modules and `modules`, each watched (`_server.watch`).
 
     The report says which modules failed to import (skipped: the launcher warns, naming
@@ -231,13 +168,16 @@ def _preload(
     job), and the first import after which no rank may be forked from here (a Python thread
     started, CUDA initialised, the process asked to exit): the server stops there.
     `importing(name)` is told before each import, so that an import that kills the process
-    is named all the same. `also`: for a package of `modules`, the submodules the launcher
-    imported beyond it, watched as part of it (so that a later run may fork the launcher,
-    `_server.remembered`). The report also names every module of `modules` then imported,
-    with its file's identity, and this process's thread count.
+    is named all the same.
     """
-    _base_imports()
+    import importlib
+
+    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job.process"):
+        importlib.import_module(name)
     import torch
+
+    if "numpy" in sys.modules:  # torch's; its global generator too, so that seeding it is seen
+        importlib.import_module("numpy.random")
 
     skipped: List[Tuple[str, str]] = []
     reads: Dict[str, Dict[str, List[str]]] = {}
@@ -246,14 +186,6 @@ def _preload(
         why = None
         try:
             reads[name], threads, touched = watched_import(name)
-            for sub in (also or {}).get(name, []):
-                try:
-                    sub_reads, sub_threads, sub_touched = watched_import(sub)
-                except Exception:  # not importable by its name here: left out of the report's
-                    continue  # modules, so no later run forks the launcher with it (`_server.remembered`)
-                for module, keys in sub_reads.items():
-                    reads[name][module] = sorted({*reads[name].get(module, []), *keys})
-                threads, touched = [*threads, *sub_threads], [*touched, *sub_touched]
             if touched:
                 why = f"it seeds a global random generator at import ({', '.join(touched)}), a seed a rank's "
                 why += "fresh random state would lose"
@@ -273,14 +205,13 @@ def _preload(
 
     warm = OmegaConf.create({"a": 1, "b": "${a}"})
     OmegaConf.to_yaml(OmegaConf.create({"b": warm.b}))
-    _scan_plugins()
-    return {
-        "skipped": skipped,
-        "reads": reads,
-        "unsafe": None,
-        "modules": modules_of(tuple(modules)),
-        "threads": native_threads(),
-    }
+    # Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs
+    from hydra.core.plugins import Plugins
+
+    global PLUGINS, SCANNED_PATH
+    PLUGINS = Plugins.instance()
+    SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
+    return {"skipped": skipped, "reads": reads, "unsafe": None}
 
 
 def _send_frame(sock: socket.socket, value: Any) -> None:
@@ -311,42 +242,25 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 class WarmServer:
     """The launcher's handle on its server: start job processes, learn when they exit."""
 
-    def __init__(
-        self, sys_path: List[str], preload: Tuple[str, ...], remembered: Optional[Dict[str, Any]] = None
-    ) -> None:
-        """A fresh server; a fork of this process instead when `remembered` (what a fresh
-        server saw of the same imports, `_server.remembered`) is given."""
+    def __init__(self, sys_path: List[str], preload: Tuple[str, ...]) -> None:
         self.key = (tuple(sys_path), preload)
-        self.forked = remembered is not None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
-        self._report: Optional[Dict[str, Any]] = None
-        if remembered is not None:
-            flush_before_fork()
-            pid = os.fork()
-            if pid == 0:
-                ours.close()
-                _serve_forked(theirs)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                # a group of its own: a terminal's Ctrl-C reaches the jobs once, through the launcher
+                preexec_fn=os.setpgrp,
+            )
+        finally:
             theirs.close()
-            self._process: Any = _ForkedProcess(pid)
-            self._report = {"skipped": [], "reads": remembered["reads"], "unsafe": None}
-        else:
-            try:
-                self._process = subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    # a group of its own: a terminal's Ctrl-C reaches the jobs once, through the launcher
-                    preexec_fn=os.setpgrp,
-                )
-            finally:
-                theirs.close()
-            # the submodules of each package the launcher imported beyond it: watched too
-            also = {top: sorted(n for n in modules_of((top,)) if n != top) for top in preload}
-            _send_frame(self._sock, (list(sys_path), list(preload), also))
+        _send_frame(self._sock, (list(sys_path), list(preload)))
         self._buffer = b""
         self.exited: Dict[int, int] = {}  # pid -> wait status, for job processes that ended
         self._started: List[int] = []
+        self._report: Optional[Dict[str, Any]] = None
 
     def report(self) -> Dict[str, Any]:
         """What the server's preload did (waits until it is done): see `_preload`."""
@@ -413,37 +327,14 @@ class WarmServer:
         self._process.wait()
 
 
-class _ForkedProcess:
-    """A forked server as `subprocess.Popen` shows a started one: poll and wait."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._status: Optional[int] = None
-
-    def poll(self) -> Optional[int]:
-        if self._status is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self._status = os.waitstatus_to_exitcode(status)
-        return self._status
-
-    def wait(self) -> int:
-        if self._status is None:
-            self._status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self._status
-
-
 _server: Optional[WarmServer] = None
 _server_lock = threading.Lock()
 # modules found unfit to preload (see `_server.watch`): never preloaded again by this launcher
 _left_out: Set[str] = set()
 
 
-def warm_server(preload: Tuple[str, ...] = (), fork: bool = False) -> WarmServer:
+def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
     """The launcher's server for the current import path and preload list, started on first use.
-
-    `fork`: `preload` is everything the app imported (`auto`), so the server may be a fork
-    of this process (`_server.fork`) when that is safe; where it is not, one line says why.
 
     It lives as long as the launcher process (an Optuna sweep calls `launch` once per
     batch; each call reuses it) and is replaced when the import path or the list changed.
@@ -452,7 +343,6 @@ def warm_server(preload: Tuple[str, ...] = (), fork: bool = False) -> WarmServer
     it), also with a warning.
     """
     global _server
-    fork = fork and not any(name in _left_out for name in preload)
     preload = tuple(name for name in preload if name not in _left_out)
     with _server_lock:
         key = (tuple(sys.path), preload)
@@ -460,25 +350,8 @@ def warm_server(preload: Tuple[str, ...] = (), fork: bool = False) -> WarmServer
             _server.close()
             _server = None
         if _server is None:
-            _server = WarmServer(list(sys.path), preload, _fork_from(preload) if fork else None)
+            _server = WarmServer(list(sys.path), preload)
         return _server
-
-
-def _fork_from(preload: Tuple[str, ...]) -> Optional[Dict[str, Any]]:
-    """What a fresh server saw of these imports, when this process may be forked now; else
-    None, with one line saying why the server starts fresh."""
-    import logging
-
-    why = fork_hazard()
-    remembered = None
-    if why is None:
-        remembered, why = recall(preload)
-    if remembered is not None:
-        why = thread_hazard(int(remembered["threads"]))
-    if not why:
-        return remembered
-    logging.getLogger(__name__).info(f"the warm server starts as a fresh interpreter: {why}")
-    return None
 
 
 def checked_warm_server(preload: Tuple[str, ...], varying: Iterable[str]) -> WarmServer:
@@ -496,8 +369,6 @@ def checked_warm_server(preload: Tuple[str, ...], varying: Iterable[str]) -> War
         server = warm_server(preload)
         first_look = not server.reported()
         report = server.report()
-        if first_look and not server.forked:
-            remember(server.key[1], report)  # so that a later run may fork the launcher
         if first_look:  # once per server, not once per launch of a sweeper's batches
             for name, error in report["skipped"]:
                 log.warning(

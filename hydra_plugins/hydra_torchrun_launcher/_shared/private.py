@@ -47,16 +47,6 @@ PRIVATE_NAMES = (
         "_job.torch_adjustments",
         "single-node c10d jobs keep torch's random 0-0.3 s start-up skew",
     ),
-    *(
-        PrivateName(
-            "multiprocessing.resource_tracker",
-            f"_resource_tracker.{name}",
-            "_server.fork (a forked warm server forgets the launcher's resource tracker)",
-            "a forked warm server's jobs register with the launcher's tracker through a closed pipe: "
-            "what a killed job leaks is not cleaned up",
-        )
-        for name in ("_fd", "_pid")
-    ),
     PrivateName(
         "hydra.core.utils",
         "_flush_loggers",
