@@ -180,13 +180,20 @@ def test_dry_run_prints_every_jobs_plan_and_starts_nothing(tmp_path: Path) -> No
     # Hydra's sweeper writes the sweep's multirun.yaml before it launches; nothing else is there
     assert [p.name for p in (app_dir / "sweep").iterdir()] == ["multirun.yaml"], "a dry run started something"
 
-    # the torchrun line is the job: run as it is printed, plain torchrun runs job #3
-    command = shlex.split(_torchrun_lines(out)[3])
-    assert command[:2] == ["env", "TAG=job3"] and command[2] == "torchrun", command
+    # the torchrun line is the job: pasted as it is printed (anywhere), plain torchrun runs job #3
+    line = _torchrun_lines(out)[3]
+    command = shlex.split(line)
+    assert command[:3] == ["cd", str(app_dir), "&&"], command
+    assert command[3:5] == ["env", "TAG=job3"] and command[5] == "torchrun", command
     assert "--nproc-per-node=2" in command and command[-5:-3] == ["lr=0.2", "world=2"], command
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     torchrun = subprocess.run(
-        command, cwd=app_dir, env=dict(os.environ, PATH=path), capture_output=True, text=True, timeout=240
+        ["bash", "-c", line],
+        cwd=tmp_path,
+        env=dict(os.environ, PATH=path),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     for rank in (0, 1):
