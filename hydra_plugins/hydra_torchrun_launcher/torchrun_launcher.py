@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 class TorchrunLauncher(Launcher):
+    # whether the launcher takes its stop signal as a preemption notice from `setup` on
+    takes_stop_notice = True
+
     def __init__(self, **params: Any) -> None:
         # the per-job settings come from each job's composed config, not from here
         self.params = params
@@ -40,7 +43,7 @@ class TorchrunLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
-        if self.notice is None:
+        if self.notice is None and self.takes_stop_notice:
             # the stop signal is a notice from now on, for the whole sweep: one that comes while
             # the sweeper validates its first batch ends the sweep preempted, not killed
             from ._launcher.preempt import sweep_notice, sweep_stop_signal
@@ -67,18 +70,9 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
     """`hydra/launcher=torchrun_slurm`: each job submitted to SLURM from a login node, one
     task per node running the job's elastic agent there (`_submit.submit`)."""
 
-    def setup(
-        self,
-        *,
-        hydra_context: HydraContext,
-        task_function: TaskFunction,
-        config: DictConfig,
-    ) -> None:
-        # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
-        # launcher on a login node keeps its default dispositions
-        self.config = config
-        self.hydra_context = hydra_context
-        self.task_function = task_function
+    # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
+    # launcher on a login node keeps its default dispositions
+    takes_stop_notice = False
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._submit import submit

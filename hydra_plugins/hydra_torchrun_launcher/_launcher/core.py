@@ -44,7 +44,7 @@ from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_titl
 from .reproduce import dry_run_plan, write_rerun_script
 from .resume import (
     Record,
-    continues_in_place,
+    continuing_in_place,
     fingerprint,
     log_resumption,
     read_record,
@@ -229,12 +229,10 @@ def _run_plans(
             _end_preempted(notice, agreeing, sweep_dir, conf)
         react_to_stop(SweepStopped(stopped.signum), f"the sweep was stopped: {agreeing}")
         raise SweepStopped(stopped.signum) from None
+    in_place = continuing_in_place(sweep_dir, plans, resumed)
     for plan in plans:
-        # where its ranks ran before: a checkpoint may be there
-        plan.resumed = plan.idx in resumed.preempted and continues_in_place(
-            sweep_dir, resumed.recorded[plan.idx], plan.output_dir
-        )
-    log_resumption(sweep_dir, resumed, {plan.idx for plan in plans if plan.resumed})
+        plan.resumed = plan.idx in in_place  # where its ranks ran before: a checkpoint may be there
+    log_resumption(sweep_dir, resumed, in_place)
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
     sweep_dir.mkdir(parents=True, exist_ok=True)
     server = checked_warm_server(preload, varying_variables(plans)) if to_run else None

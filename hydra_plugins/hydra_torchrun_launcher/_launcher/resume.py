@@ -215,6 +215,16 @@ def continues_in_place(sweep_dir: Path, outcome: JobOutcome, output_dir: Path) -
     return outcome.ranks_ran or (output_dir / RANKS_STARTED_FILE).is_file()
 
 
+def continuing_in_place(sweep_dir: Path, jobs: Sequence[Any], found: Resumption) -> Set[int]:
+    """The unfinished jobs of `jobs` (plans) that continue where their ranks ran before."""
+    return {
+        job.idx
+        for job in jobs
+        if job.idx in found.preempted
+        and continues_in_place(sweep_dir, found.recorded[job.idx], job.output_dir)
+    }
+
+
 def _slurm_restarted(environ: Mapping[str, str]) -> bool:
     """SLURM runs this batch job again (a requeue): what it had done is kept, finished or not."""
     return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0

@@ -32,7 +32,7 @@ from .._launcher.report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepRepor
 from .._launcher.reproduce import write_rerun_script
 from .._launcher.resume import (
     Record,
-    continues_in_place,
+    continuing_in_place,
     log_resumption,
     read_record,
     resumption,
@@ -108,12 +108,7 @@ def launch(
     resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
     # where the ranks of an unfinished job ran before: it continues there (its node decides
     # resumed(), from the ranks' mark in the job dir)
-    in_place = {
-        plan.idx
-        for plan in plans
-        if plan.idx in resumed.preempted
-        and continues_in_place(sweep_dir, resumed.recorded[plan.idx], plan.output_dir)
-    }
+    in_place = continuing_in_place(sweep_dir, plans, resumed)
     log_resumption(sweep_dir, resumed, in_place)
     directory = slurm_dir(sweep_dir)
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
