@@ -126,9 +126,6 @@ def main() -> None:
             "launcher": lambda app, jobs: _timed(
                 _plugin(app, fresh("sweep"), jobs), work, _env(warm_cache, None), log
             ),
-            "cold": lambda app, jobs: _timed(
-                _plugin(app, fresh("sweep"), jobs), work, _env(fresh("cache"), None), log
-            ),
         }
         if args.compare_with is not None:
             other = str(args.compare_with.resolve())

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 class TorchrunLauncher(Launcher):
     # whether the launcher takes its stop signal as a preemption notice from `setup` on
     takes_stop_notice = True
+    # whether the launcher's jobs are forked by its warm server (started at `setup`)
+    uses_warm_server = True
 
     def __init__(self, **params: Any) -> None:
         # the per-job settings come from each job's composed config, not from here
@@ -32,6 +34,8 @@ class TorchrunLauncher(Launcher):
         self.report: Any = None
         # the sweep's stop notice (`_launcher.preempt.StopNotice`), installed at setup
         self.notice: Any = None
+        # what the warm server imports besides torch (`preload`), chosen when it was started
+        self.preload: Optional[tuple[str, ...]] = None
 
     def setup(
         self,
@@ -49,20 +53,29 @@ class TorchrunLauncher(Launcher):
             from ._launcher.preempt import sweep_notice, sweep_stop_signal
 
             self.notice = sweep_notice(None, sweep_stop_signal(config), hydra_context.callbacks)
+        if self.uses_warm_server:
+            self._start_warm_server()
 
-    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+    def _start_warm_server(self) -> None:
+        """Start the warm server once, at set-up: its imports (torch, the app's packages) then
+        overlap with what the launcher does before the first job starts (the sweeper composes
+        and checks every job of its batch before `launch`, `launch` composes them again)."""
+        if self.preload is not None:
+            return
         from ._launcher.preload import preload_modules
         from ._server.server import warm_server
 
-        # started first, so that its imports (torch, the app's packages) overlap with the
-        # launcher's own and with composing and checking the jobs
-        preload = preload_modules(self.params.get("preload", "auto"))
+        self.preload = preload_modules(self.params.get("preload", "auto"))
         if self.params.get("dry_run") is not True:
-            warm_server(preload)
+            warm_server(self.preload)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        self._start_warm_server()  # Hydra's sweepers call `setup` first; a caller that did not
         from ._launcher import core
 
+        assert self.preload is not None
         return core.launch(
-            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
+            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=self.preload
         )
 
 
@@ -73,6 +86,8 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
     # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
     # launcher on a login node keeps its default dispositions
     takes_stop_notice = False
+    # each node starts its own job process from a fresh interpreter (`_submit.node`)
+    uses_warm_server = False
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._submit import submit
