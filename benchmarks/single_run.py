@@ -15,10 +15,7 @@ the other, so that a machine shared with other work loads them alike; the figure
 medians over the rounds, and the ratios are of those medians. Variants:
 
   torchrun   plain torchrun (a loop of it for the sweep);
-  launcher   this checkout, after a first run of the app (not counted) that watched its
-             imports: what every later run of the edit-run loop costs;
-  cold       this checkout with no memory of watched imports (the first run of an app,
-             or the first after its packages changed): the warm server starts fresh;
+  launcher   this checkout, after a first run of the app (not counted);
   other      with `--compare-with DIR`: the checkout in DIR (another revision), through
              PYTHONPATH, for a before/after in one run.
 
@@ -27,20 +24,15 @@ into a sweep dir would resume instead of running).
 
     python benchmarks/single_run.py [--rounds 5] [--cases lightning,trivial,sweep] [--compare-with DIR]
 
-The figures below were measured with a warm server forked from the launcher (then
-`launcher`; `cold` its first run), a design that was withdrawn before release: the launcher
-has run the app's module body, and what that body does to installed packages (a custom op
-registered, a singleton that read RANK, a handler on a library's logger) reached the ranks of
-the fork. Today's launcher is the `other (before)` column, for every run. Measured on a 2-core
-machine heavily shared with other work (1-min load average 8 to 16
-at round starts: every command ran several times slower than alone, so compare within a
-row), CPU torch 2.13, Lightning 2.6.6, 5 rounds, medians in seconds (ratio to torchrun);
-`other` is the revision before the warm server could be a fork of the launcher:
+Measured on a 2-core machine with other work running (1-min load 1.4 to 3.2 at round
+starts), CPU torch 2.13, Lightning 2.6.6, 3 rounds, medians in seconds (ratio to torchrun);
+`other` was a checkout whose warm server was a fork of the launcher, not shipped (see
+docs/benchmarks.md: a rank saw the launcher's copy of the app's classes):
 
-    case        torchrun        launcher        cold            other (before)
-    lightning    34.03 (1.00)   23.82 (0.70)    38.40 (1.13)    43.88 (1.29)
-    trivial      17.69 (1.00)   18.16 (1.03)    17.09 (0.97)    17.08 (0.97)
-    sweep       158.82 (1.00)   25.01 (0.16)    45.10 (0.28)    44.87 (0.28)
+    case        torchrun        launcher        other (fork, not shipped)
+    lightning     6.78 (1.00)    8.18 (1.21)     5.88 (0.87)
+    sweep        42.38 (1.00)   12.27 (0.29)    10.11 (0.24)
+    trivial       4.26 (1.00)    2.40 (0.56)     2.57 (0.60)
 
 The trivial app imports no package at module level (its ranks import torch): there is no
 second import to save, and its rows differ by noise only.
@@ -136,7 +128,7 @@ def main() -> None:
         loads: List[float] = []
         for case in args.cases.split(","):
             app, jobs = cases[case]
-            variants["launcher"](app, 1)  # the first run of the app watches its imports (not counted)
+            variants["launcher"](app, 1)  # a first run, not counted: files in the OS cache
             results[case] = {name: [] for name in variants}
             for _ in range(args.rounds):
                 loads.append(os.getloadavg()[0])
