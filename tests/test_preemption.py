@@ -222,12 +222,14 @@ def _start_first_node(nodes: Cluster, *extra: str, port: int = 0) -> "tuple[Node
 
 
 def _listening(pid: int, port: int) -> bool:
-    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    return any(
-        conn.status == psutil.CONN_LISTEN and conn.laddr.port == port
-        for proc in processes
-        for conn in proc.net_connections(kind="tcp")
-    )
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            connections = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):  # a child that ended as it was listed
+            continue
+        if any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == port for conn in connections):
+            return True
+    return False
 
 
 def test_a_stop_during_a_jobs_rendezvous_ends_it_without_waiting_for_stop_timeout(

@@ -165,17 +165,27 @@ def test_without_signals_to_handle_an_ignored_signal_is_said_by_name(
     present = _launch_config.launch_config_fields()
     monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {"signals_to_handle"})
     monkeypatch.setattr(_launch_config, "_WARNED", set())
-    previous = signal.getsignal(signal.SIGHUP)
+    # torch's four, at their defaults whatever this test runs under (nohup: SIGHUP ignored; a
+    # background job of a shell: SIGINT and SIGQUIT ignored)
+    defaults = {
+        signal.SIGTERM: signal.SIG_DFL,
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGHUP: signal.SIG_DFL,
+        signal.SIGQUIT: signal.SIG_DFL,
+    }
+    previous = {sig: signal.getsignal(sig) for sig in defaults}
     try:
         with caplog.at_level("WARNING"):
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # whatever this test runs under (nohup)
+            for sig, default in defaults.items():
+                signal.signal(sig, default)
             _launch_config.check_supported(settings())
             assert not caplog.records
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
             _launch_config.check_supported(settings())
             _launch_config.check_supported(settings())
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
         "ignores, stops the job's ranks all the same"
