@@ -384,3 +384,29 @@ def test_optuna_sweeps_through_slurm_jobs_with_rank_0s_values(cluster: SlurmClus
         values.append(rank0["value"])
     results = (app_dir / "sweep" / "optimization_results.yaml").read_text()
     assert f"best_value: {min(values)}" in results, results
+
+
+def test_a_stop_signal_to_the_last_job_of_an_array_requeues_it_and_it_resumes(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    # the raw id of an array's last job is the array's own id: squeue and scontrol must be
+    # asked about that one job (`<array>_<task>`), not about every job of the array
+    launcher = _start(cluster, app_dir, "steps=40", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job1.{ids[1].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=2" in out.read_text(), "job 1's first steps")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[1]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    last = jobs[1]["return_value"]
+    assert last["x"] == 2 and last["resumed"] is True and 0 < last["from"] < 40, last
+    assert jobs[0]["return_value"]["resumed"] is False and jobs[0]["return_value"]["from"] == 0
+    text = out.read_text()
+    assert "_time_left_s" not in text and "is requeued" in text, text
+    assert f"job #1 (SLURM job {ids[1]}) stopped at a step boundary and is requeued" in output, output

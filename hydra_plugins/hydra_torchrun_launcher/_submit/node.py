@@ -114,7 +114,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         refused = _timeout_refusal(directory, idx, time_limit, environ)
         if refused is None:
             write_private(requeued_file(directory, idx), str(restarts + 1).encode())
-            said = requeue_slurm_job(environ)
+            said = requeue_slurm_job(environ, own_job_id(environ))
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:
                 return 0  # SLURM ends this run; the job's result comes from the next
@@ -145,7 +145,7 @@ def _timeout_refusal(
 ) -> Optional[str]:
     """Why the job is not requeued after reaching its time limit (max_num_timeout), or None:
     a preemption, or a time limit with requeues left (then counted)."""
-    left = _time_left_s(environ["SLURM_JOB_ID"])
+    left = _time_left_s(own_job_id(environ))
     delay, allowed = time_limit
     if left is None or left > delay + _TIME_LIMIT_MARGIN_S:
         return None
@@ -153,11 +153,19 @@ def _timeout_refusal(
     count = int(path.read_text() or 0) if path.exists() else 0
     if count >= allowed:
         return (
-            f"SLURM job {environ['SLURM_JOB_ID']} reached its time limit (timeout_min) and was "
+            f"SLURM job {own_job_id(environ)} reached its time limit (timeout_min) and was "
             f"requeued {count} time(s) after one already (hydra.launcher.max_num_timeout={allowed})"
         )
     write_private(path, str(count + 1).encode())
     return None
+
+
+def own_job_id(environ: Mapping[str, str]) -> str:
+    """This job's id as SLURM's commands take it: `<array id>_<task id>` for a job of an array.
+    The raw SLURM_JOB_ID of an array's last job is the array's own id, which squeue, scontrol
+    and scancel read as every job of the array."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else environ["SLURM_JOB_ID"]
 
 
 def _time_left_s(job_id: str) -> Optional[float]:
@@ -168,16 +176,26 @@ def _time_left_s(job_id: str) -> Optional[float]:
             capture_output=True,
             text=True,
             timeout=60,
-        ).stdout.strip()
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
-    if not shown or shown in ("UNLIMITED", "NOT_SET", "INVALID"):
-        return None
+    return parse_time_left(shown[0]) if shown else None
+
+
+def parse_time_left(shown: str) -> Optional[float]:
+    """squeue's `%L` (`[days-]hours:minutes:seconds`, `minutes:seconds`) in seconds; None for
+    what is no duration (UNLIMITED, NOT_SET, INVALID)."""
     days, _, clock = shown.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        whole_days = int(days or 0)
+    except ValueError:
+        return None
+    if not 1 <= len(parts) <= 3:
+        return None
     while len(parts) < 3:
         parts.insert(0, 0)
-    return (int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+    return (whole_days * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
 
 
 if __name__ == "__main__":
