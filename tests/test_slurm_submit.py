@@ -410,3 +410,37 @@ def test_a_stop_signal_to_the_last_job_of_an_array_requeues_it_and_it_resumes(
     text = out.read_text()
     assert "_time_left_s" not in text and "is requeued" in text, text
     assert f"job #1 (SLURM job {ids[1]}) stopped at a step boundary and is requeued" in output, output
+
+
+def test_quoted_values_a_bare_flag_and_a_changed_working_dir_reach_sbatch_as_meant(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    # values sbatch must read whole (a space, a quote, a `$`), `exclusive: true` as the bare
+    # flag, and a job that starts elsewhere (`cd` in setup, --chdir) while the sweep dir is relative
+    result = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "--multirun",
+            "hydra/launcher=torchrun_slurm",
+            "hydra.sweep.dir='a sweep'",
+            "hydra.launcher.name='my job'",
+            'hydra.launcher.comment="it\'s a $HOME comment"',
+            "+hydra.launcher.additional_parameters.exclusive=true",
+            "+hydra.launcher.additional_parameters.chdir=/",
+            "hydra.launcher.setup=['cd /']",
+            "x=1,2",
+        ],
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    summary = json.loads((app_dir / "a sweep" / "sweep_summary.json").read_text())["jobs"]
+    assert [job["status"] for job in summary] == ["COMPLETED"] * 2, output
+    assert [job["return_value"]["x"] for job in summary] == [1, 2], summary
+    assert len(list((app_dir / "a sweep" / ".slurm").glob("job*.out"))) == 2
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)

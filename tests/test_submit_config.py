@@ -109,3 +109,25 @@ def test_bad_keys_are_refused_in_one_line_naming_the_key(app: Path, override: st
     assert len(lines) <= 3, result.stderr
     assert f"hydra.launcher.{key}" in lines[0], result.stderr
     assert not (app.parent / "sweep" / ".slurm").exists()
+
+
+def test_the_dry_run_quotes_values_as_submitit_and_names_every_path_absolutely(app: Path) -> None:
+    result = _sweep(
+        app,
+        "hydra.launcher.dry_run=true",
+        "hydra.sweep.dir='a sweep'",
+        "hydra.launcher.name='my job'",
+        'hydra.launcher.comment="it\'s a $HOME comment"',
+        "+hydra.launcher.additional_parameters.exclusive=true",
+        "+hydra.launcher.additional_parameters.hold=false",
+        "+hydra.launcher.additional_parameters.mail_user=null",
+    )
+    output = result.stdout + result.stderr
+    script = _scripts(output)[0]
+    lines = script.splitlines()
+    assert "#SBATCH --job-name='my job'" in lines, script
+    assert "#SBATCH --comment='it'\"'\"'s a $HOME comment'" in lines, script
+    assert "#SBATCH --exclusive" in lines and "hold" not in script and "mail" not in script, script
+    absolute = f"{app.parent}/a sweep/.slurm"
+    assert f"#SBATCH --output='{absolute}/job%a.%A.out'" in lines, script
+    assert f" '{absolute}' " in lines[-1], script

@@ -3,13 +3,14 @@ and the torchrun launcher's (checked by `_launcher.settings`, as for `hydra/laun
 
 hydra-submitit-launcher's names and meanings, so a `submitit_slurm` config keeps working:
 `timeout_min` is `--time`, `mem_gb` is `--mem=<n>G`, `additional_parameters` are more
-`--key=value` directives, and so on. Every value becomes one `#SBATCH` line, which SLURM
-reads as one option: a value with a line break in it is refused (it would add directives).
+`--key=value` directives (True: a bare `--key`; None or False: none), and so on. Every value
+becomes one `#SBATCH` line, shell-quoted as submitit writes it, which SLURM reads as one
+option: a value with a line break in it is refused (it would add directives).
 """
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,9 +55,10 @@ _SIMPLE = {
 
 @dataclass(frozen=True)
 class SlurmOptions:
-    """One job's SLURM side: its sbatch directives (without the array), and what runs around srun."""
+    """One job's SLURM side: its sbatch directives (without the array; a value None: a bare
+    flag), and what runs around srun."""
 
-    directives: Tuple[Tuple[str, str], ...]
+    directives: Tuple[Tuple[str, Optional[str]], ...]
     nodes: int
     setup: Tuple[str, ...]
     srun_args: Tuple[str, ...]
@@ -118,7 +120,7 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
     """The SLURM keys of one job, checked, as sbatch directives."""
     nodes = _int("nodes", slurm.get("nodes", 1), 1)
     timeout_min = _int("timeout_min", slurm.get("timeout_min", 60), 1)
-    directives: List[Tuple[str, str]] = [("job-name", _text("name", slurm.get("name") or "hydra"))]
+    directives: List[Tuple[str, Optional[str]]] = [("job-name", _text("name", slurm.get("name") or "hydra"))]
     directives += [("nodes", str(nodes)), ("ntasks-per-node", "1"), ("time", str(timeout_min))]
     for key, option in _SIMPLE.items():
         value = slurm.get(key)
@@ -139,9 +141,10 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
                 f"hydra.launcher.additional_parameters.{key} is set by the launcher itself "
                 f"(--{option}); use hydra.launcher.nodes, timeout_min, signal_delay_s instead"
             )
-        directives.append(
-            (_text(f"additional_parameters.{key}", option), _text(f"additional_parameters.{key}", value))
-        )
+        if value is None or value is False:  # as submitit: no directive
+            continue
+        flag = _text(f"additional_parameters.{key}", option)
+        directives.append((flag, None if value is True else _text(f"additional_parameters.{key}", value)))
     setup = slurm.get("setup") or []
     srun_args = slurm.get("srun_args") or []
     for key, lines in (("setup", setup), ("srun_args", srun_args)):
