@@ -444,3 +444,27 @@ def test_quoted_values_a_bare_flag_and_a_changed_working_dir_reach_sbatch_as_mea
     assert [job["return_value"]["x"] for job in summary] == [1, 2], summary
     assert len(list((app_dir / "a sweep" / ".slurm").glob("job*.out"))) == 2
     _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_changed_sweep_after_a_killed_launcher_cancels_the_old_jobs_and_waits_for_its_own(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2")
+    try:
+        old = _submitted(app_dir, 2)
+        _running(cluster, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=3", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"Cancelled SLURM job(s) {old[0]}, {old[1]} of an earlier run of another sweep" in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+    # nothing the old sweep's cancelled jobs wrote is taken for the new ones
+    assert "FAILED" not in output and "Error executing job" not in output, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+

@@ -31,29 +31,32 @@ def request_file(directory: Path, idx: int) -> Path:
     return directory / f"job{idx}.request"
 
 
-def result_file(directory: Path, idx: int) -> Path:
-    return directory / f"job{idx}.result"
+def result_file(directory: Path, idx: int, array_id: str) -> Path:
+    """The job's result as its node 0 wrote it. Every file a run of the job writes is named
+    by the array SLURM gave it (`array_id`): a job of an earlier submission into the same
+    sweep dir (cancelled, or still ending) never writes what the launcher reads of this one."""
+    return directory / f"job{idx}.{array_id}.result"
 
 
-def failure_file(directory: Path, idx: int) -> Path:
+def failure_file(directory: Path, idx: int, array_id: str) -> Path:
     """The first failure any node of the job saw (its JobReturn): the root cause, where a
     rank that failed on one node made SLURM stop the others (`srun --kill-on-bad-exit`)."""
-    return directory / f"job{idx}.failure"
+    return directory / f"job{idx}.{array_id}.failure"
 
 
-def ranks_ran_file(directory: Path, idx: int) -> Path:
+def ranks_ran_file(directory: Path, idx: int, array_id: str) -> Path:
     """Made by node 0 when the job was preempted after its ranks ran: the requeued run resumes."""
-    return directory / f"job{idx}.ranks_ran"
+    return directory / f"job{idx}.{array_id}.ranks_ran"
 
 
-def requeued_file(directory: Path, idx: int) -> Path:
+def requeued_file(directory: Path, idx: int, array_id: str) -> Path:
     """How many times node 0 requeued the job after a stop (written just before it does)."""
-    return directory / f"job{idx}.requeued"
+    return directory / f"job{idx}.{array_id}.requeued"
 
 
-def timeouts_file(directory: Path, idx: int) -> Path:
+def timeouts_file(directory: Path, idx: int, array_id: str) -> Path:
     """How many times the job was requeued after reaching its time limit (max_num_timeout)."""
-    return directory / f"job{idx}.timeouts"
+    return directory / f"job{idx}.{array_id}.timeouts"
 
 
 def output_pattern(directory: Path) -> str:

@@ -75,6 +75,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     request = decode_request(read_private(request_file(directory, idx)))
     plan = request.plan
     job_id = environ["SLURM_JOB_ID"]
+    array_id = environ.get("SLURM_ARRAY_JOB_ID") or job_id
     restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
     if plan.settings.max_nodes > 1:
         run = job_id + (f".restart{restarts}" if restarts else "")
@@ -84,7 +85,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         plan.settings = dataclasses.replace(plan.settings, conf=conf)
         plan.rendezvous = Rendezvous("c10d", endpoint, f"slurm-{run}_{idx}", plan.rendezvous.configs)
         plan.node_slot = node
-    plan.resumed = restarts > 0 and ranks_ran_file(directory, idx).exists()
+    plan.resumed = restarts > 0 and ranks_ran_file(directory, idx, array_id).exists()
     # this node's environment, as sbatch exported the submitting one (SLURM's variables added)
     request.environ = dict(environ)
     request.ignored_signals = []
@@ -101,26 +102,26 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     value = job_return._return_value
     if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
         # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
-        first = write_first(failure_file(directory, idx), pickled_return(job_return))
+        first = write_first(failure_file(directory, idx, array_id), pickled_return(job_return))
         if node != 0:
             return 1
         if not first:
-            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx)))
+            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx, array_id)))
     if node != 0:
         return 0
     if isinstance(value, JobPreempted):
         if value.ranks_ran:
-            write_private(ranks_ran_file(directory, idx), b"")
-        refused = _timeout_refusal(directory, idx, time_limit, environ)
+            write_private(ranks_ran_file(directory, idx, array_id), b"")
+        refused = _timeout_refusal(timeouts_file(directory, idx, array_id), time_limit, environ)
         if refused is None:
-            write_private(requeued_file(directory, idx), str(restarts + 1).encode())
+            write_private(requeued_file(directory, idx, array_id), str(restarts + 1).encode())
             said = requeue_slurm_job(environ, own_job_id(environ))
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:
                 return 0  # SLURM ends this run; the job's result comes from the next
         else:
             job_return = _failed(job_return, refused)
-    write_private(result_file(directory, idx), pickled_return(job_return))
+    write_private(result_file(directory, idx, array_id), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0
 
@@ -140,16 +141,13 @@ def _failed(job_return: JobReturn, why: str) -> JobReturn:
     return failed
 
 
-def _timeout_refusal(
-    directory: Path, idx: int, time_limit: "tuple[int, int]", environ: Mapping[str, str]
-) -> Optional[str]:
+def _timeout_refusal(path: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> Optional[str]:
     """Why the job is not requeued after reaching its time limit (max_num_timeout), or None:
     a preemption, or a time limit with requeues left (then counted)."""
     left = _time_left_s(own_job_id(environ))
     delay, allowed = time_limit
     if left is None or left > delay + _TIME_LIMIT_MARGIN_S:
         return None
-    path = timeouts_file(directory, idx)
     count = int(path.read_text() or 0) if path.exists() else 0
     if count >= allowed:
         return (

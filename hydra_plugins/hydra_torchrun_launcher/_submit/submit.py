@@ -47,14 +47,12 @@ from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
     failure_file,
     output_file,
-    ranks_ran_file,
     read_private,
     read_submitted,
     request_file,
     requeued_file,
     result_file,
     slurm_dir,
-    timeouts_file,
     write_private,
     write_submitted,
 )
@@ -160,6 +158,13 @@ class _Sweep:
         # what each job's requeue file said when last read
         self.requeues: Dict[int, str] = {}
 
+    def _array(self, idx: int) -> str:
+        """The SLURM array the job was submitted in: its run's files are named by it."""
+        return self.slurm_ids[idx].split("_")[0]
+
+    def _result(self, idx: int) -> Path:
+        return result_file(self.directory, idx, self._array(idx))
+
     def stop(self, signum: int, frame: Any) -> None:
         if self.stop_signum is None:
             self.stop_signum = signum
@@ -210,8 +215,6 @@ class _Sweep:
         groups: Dict[SlurmOptions, List[JobPlan]] = {}
         for plan in fresh:
             groups.setdefault(options[plan.idx], []).append(plan)
-            for stale_file in (result_file, failure_file, ranks_ran_file, requeued_file, timeouts_file):
-                stale_file(self.directory, plan.idx).unlink(missing_ok=True)
             if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
                 (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
             write_private(
@@ -247,7 +250,7 @@ class _Sweep:
         while self.slurm_ids:
             self._check_stop()
             for idx in list(self.slurm_ids):
-                if result_file(self.directory, idx).exists():
+                if self._result(idx).exists():
                     self._collect(by_idx[idx])
                 else:
                     self._note_requeue(idx)
@@ -261,7 +264,7 @@ class _Sweep:
 
     def _note_requeue(self, idx: int) -> None:
         """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
-        path = requeued_file(self.directory, idx)
+        path = requeued_file(self.directory, idx, self._array(idx))
         try:
             count = path.read_text().strip()
         except FileNotFoundError:
@@ -288,7 +291,7 @@ class _Sweep:
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                if result_file(self.directory, idx).exists():
+                if self._result(idx).exists():
                     self._collect(by_idx[idx])
                 elif idx in self.ending:
                     if state is None:
@@ -320,7 +323,7 @@ class _Sweep:
     def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
         """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
         idx = plan.idx
-        path = path or result_file(self.directory, idx)
+        path = path or self._result(idx)
         try:
             job_return: JobReturn = cloudpickle.loads(read_private(path))
         except Exception as e:  # a result that cannot be read is the job's failure, said so
@@ -339,7 +342,7 @@ class _Sweep:
 
     def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is."""
-        failed_first = failure_file(self.directory, plan.idx)
+        failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx))
         if failed_first.exists():  # a node recorded why before SLURM ended the job
             self._collect(plan, failed_first)
             return
