@@ -468,3 +468,26 @@ def test_a_changed_sweep_after_a_killed_launcher_cancels_the_old_jobs_and_waits_
     assert "FAILED" not in output and "Error executing job" not in output, output
     _wait_for(lambda: not _queue(cluster), "empty queue", 30)
 
+
+def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs_again(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=50", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        assert (app_dir / "sweep" / "0" / ".hydra" / "ranks_started").exists()
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 130, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+    result = _sweep(cluster, app_dir, "steps=50", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "1 unfinished job(s) continue (#0)" in output, output
+    job = _summary(app_dir)[0]
+    assert job["status"] == "COMPLETED" and job["return_value"]["resumed"] is True, job
+

@@ -85,7 +85,9 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         plan.settings = dataclasses.replace(plan.settings, conf=conf)
         plan.rendezvous = Rendezvous("c10d", endpoint, f"slurm-{run}_{idx}", plan.rendezvous.configs)
         plan.node_slot = node
-    plan.resumed = restarts > 0 and ranks_ran_file(directory, idx, array_id).exists()
+    # continuing where an earlier submission's ranks ran (the launcher said so), or where this
+    # one's ran before SLURM requeued it
+    plan.resumed = plan.resumed or (restarts > 0 and ranks_ran_file(directory, idx, array_id).exists())
     # this node's environment, as sbatch exported the submitting one (SLURM's variables added)
     request.environ = dict(environ)
     request.ignored_signals = []

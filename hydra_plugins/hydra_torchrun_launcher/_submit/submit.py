@@ -104,9 +104,11 @@ def launch(
         )
     report: SweepReport = launcher.report
     resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    # where the ranks of an unfinished job ran before: it continues there (its node decides
-    # resumed(), from the ranks' mark in the job dir)
+    # where the ranks of an unfinished job ran before (a launcher stopped or killed, its jobs
+    # cancelled): it continues there, resumed() True, as under the local launcher
     in_place = continuing_in_place(sweep_dir, plans, resumed)
+    for plan in plans:
+        plan.resumed = plan.idx in in_place
     log_resumption(sweep_dir, resumed, in_place)
     directory = slurm_dir(sweep_dir)
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
