@@ -155,6 +155,7 @@ def test_an_impossible_request_fails_at_once_with_slurms_reason(cluster: SlurmCl
         jobs[0]
     )
     assert "Traceback" not in output, output
+    assert "Error executing job with overrides: ['x=1']" in output, output  # the job's own
     assert took < 60, took
 
 

@@ -159,6 +159,8 @@ class _Sweep:
         self.ran: Set[int] = set()
         # what each job's requeue file said when last read
         self.requeues: Dict[int, str] = {}
+        # each job's overrides: the JobReturn of a job that ended without a result names them
+        self.overrides: Dict[int, List[str]] = {}
 
     def _array(self, idx: int) -> str:
         """The SLURM array the job was submitted in: its run's files are named by it."""
@@ -190,6 +192,7 @@ class _Sweep:
         fresh: List[JobPlan] = []
         stale: List[str] = []
         for plan in plans:
+            self.overrides[plan.idx] = list(plan.overrides)
             write_rerun_script(plan, configs[plan.idx], None)
             known = self.submitted.get(str(plan.idx))
             if (
@@ -361,6 +364,8 @@ class _Sweep:
 
     def _end(self, idx: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
         """The job's outcome into the record (and its line); it is no longer in flight."""
+        if job_return.overrides is None:  # SLURM's failure, not one the job returned
+            job_return.overrides = self.overrides.get(idx)
         self.report.ended(idx, job_return, status, ranks_ran)
         self.returns[idx] = job_return
         self.ending.discard(idx)
