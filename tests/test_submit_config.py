@@ -131,3 +131,19 @@ def test_the_dry_run_quotes_values_as_submitit_and_names_every_path_absolutely(a
     absolute = f"{app.parent}/a sweep/.slurm"
     assert f"#SBATCH --output='{absolute}/job%a.%A.out'" in lines, script
     assert f" '{absolute}' " in lines[-1], script
+
+
+@pytest.mark.parametrize("key", ["tasks_per_node", "submitit_folder"])
+def test_a_submitit_key_is_refused_saying_what_to_do_instead(app: Path, key: str) -> None:
+    result = _sweep(app, f"+hydra.launcher.{key}=1", check=False)
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if f"hydra.launcher.{key}" in line)
+    assert "hydra/launcher=torchrun_slurm" in line and "drop it" in line, result.stderr
+
+
+def test_an_unknown_key_is_refused_listing_the_slurm_launchers_own_keys(app: Path) -> None:
+    result = _sweep(app, "+hydra.launcher.no_such_key=1", check=False)
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if "hydra.launcher.no_such_key" in line)
+    assert "hydra/launcher=torchrun_slurm" in line, line
+    assert "partition" in line and "timeout_min" in line and "master_addr" not in line, line

@@ -9,7 +9,7 @@ option: a value with a line break in it is refused (it would add directives).
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from .._launcher.settings import resolve_settings
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
-from ..config import SLURM_KEYS
+from ..config import SLURM_KEYS, TorchrunSlurmLauncherConf
 
 # the rendezvous endpoint of a multi-node job until a node knows it (`_submit.node`)
 FIRST_NODE_ENDPOINT = "first-node-of-the-job:0"
@@ -50,6 +50,16 @@ _SIMPLE = {
     "gpus_per_task": "gpus-per-task",
     "mem_per_gpu": "mem-per-gpu",
     "mem_per_cpu": "mem-per-cpu",
+}
+
+
+# hydra-submitit-launcher's keys that this launcher has not: what a user does instead
+_SUBMITIT_ONLY = {
+    "tasks_per_node": "drop it: one task per node runs the job's agent, which starts "
+    "hydra.launcher.nproc_per_node ranks (as torchrun does)",
+    "submitit_folder": "drop it: the launcher's files lie in <sweep dir>/.slurm",
+    "stderr_to_stdout": "drop it: each job's output file (<sweep dir>/.slurm/job<N>.<id>.out) holds "
+    "stdout and stderr",
 }
 
 
@@ -89,6 +99,7 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
                 f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm: SLURM places every job "
                 "(hydra.launcher.nodes sets its node count; its nodes meet on its first node)"
             )
+    _refuse_unknown(raw)
     raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
     if options.nodes > 1:
         raw.update(rdzv_backend="c10d", rdzv_endpoint=FIRST_NODE_ENDPOINT)
@@ -99,6 +110,25 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
             raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
         raise
     return settings, options
+
+
+def _refuse_unknown(raw: Dict[str, Any]) -> None:
+    """A key that is none of hydra/launcher=torchrun_slurm's: refused naming this launcher and
+    its keys (submitit's own keys: what to do instead)."""
+    known = sorted(f.name for f in fields(TorchrunSlurmLauncherConf) if not f.name.startswith("_"))
+    unknown = sorted(set(raw) - set(known))
+    if not unknown:
+        return
+    key = unknown[0]
+    instead = _SUBMITIT_ONLY.get(key)
+    if instead is not None:
+        raise LauncherConfigError(
+            f"hydra.launcher.{key} (hydra-submitit-launcher's) is not a key of "
+            f"hydra/launcher=torchrun_slurm: {instead}"
+        )
+    raise LauncherConfigError(
+        f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm (keys: {', '.join(known)})"
+    )
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
