@@ -492,3 +492,18 @@ def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs
     job = _summary(app_dir)[0]
     assert job["status"] == "COMPLETED" and job["return_value"]["resumed"] is True, job
 
+
+def test_a_job_asking_for_more_nodes_than_its_partition_has_fails_at_once_with_slurms_reason(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    started = time.monotonic()
+    result = _sweep(cluster, app_dir, "hydra.launcher.nodes=5", "x=1")
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "PartitionNodeLimit" in job["error"] or "PartitionConfig" in job["error"], job["error"]
+    assert "asks for 5 nodes (hydra.launcher.nodes) and its partition has at most 4" in job["error"], job
+    assert "Error executing job with overrides: ['x=1']" in output, output
+    assert took < 60, took
+    _wait_for(lambda: not _queue(cluster), "empty queue", 10)

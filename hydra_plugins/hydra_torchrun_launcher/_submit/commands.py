@@ -46,6 +46,7 @@ class JobState:
     reason: str
     nodes: str
     restarts: int = 0
+    partition: str = ""
 
 
 def _command(name: str) -> str:
@@ -100,7 +101,7 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
             "--array",
             "--states=all",
             f"--jobs={','.join(ids)}",
-            "--format=%i|%T|%r|%N",
+            "--format=%i|%T|%r|%N|%P",
         ]
     )
     if result.returncode != 0:
@@ -109,9 +110,22 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
     states: Dict[str, JobState] = {}
     for line in result.stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 4:
-            states[parts[0]] = JobState(parts[1], parts[2], parts[3])
+        if len(parts) == 5:
+            states[parts[0]] = JobState(parts[1], parts[2], parts[3], partition=parts[4])
     return states
+
+
+def partition_nodes(partition: str) -> Optional[int]:
+    """The most nodes one job of `partition` can have (its node count, or its MaxNodes where
+    lower); None when SLURM does not say (several partitions, scontrol failing)."""
+    if not partition or "," in partition:
+        return None
+    result = _run([_command("scontrol"), "show", "partition", "--oneliner", partition])
+    if result.returncode != 0:
+        return None
+    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    limits = [int(fields[key]) for key in ("TotalNodes", "MaxNodes") if fields.get(key, "").isdigit()]
+    return min(limits) if limits else None
 
 
 def sacct(job_id: str) -> Optional[JobState]:

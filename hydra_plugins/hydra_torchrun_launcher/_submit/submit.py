@@ -56,6 +56,7 @@ from .files import (
     write_private,
     write_submitted,
 )
+from .never_starts import never_starts
 from .options import SlurmOptions, split_launcher_config
 from .script import batch_script
 
@@ -161,6 +162,8 @@ class _Sweep:
         self.requeues: Dict[int, str] = {}
         # each job's overrides: the JobReturn of a job that ended without a result names them
         self.overrides: Dict[int, List[str]] = {}
+        # each job's node count (a pending reason may say it is more than its partition has)
+        self.nodes: Dict[int, int] = {}
 
     def _array(self, idx: int) -> str:
         """The SLURM array the job was submitted in: its run's files are named by it."""
@@ -193,6 +196,7 @@ class _Sweep:
         stale: List[str] = []
         for plan in plans:
             self.overrides[plan.idx] = list(plan.overrides)
+            self.nodes[plan.idx] = options[plan.idx].nodes
             write_rerun_script(plan, configs[plan.idx], None)
             known = self.submitted.get(str(plan.idx))
             if (
@@ -320,10 +324,27 @@ class _Sweep:
                 self.ran.add(idx)
                 log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
             elif state.state == "PENDING":
+                if self._never_starts(idx, slurm_id, state):
+                    continue
                 reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
                 log.info(f"{title} is {'requeued: pending' if idx in self.ran else 'pending'}{reason}")
             else:
                 log.info(f"{title} is {state.state.lower()}")
+
+    def _never_starts(self, idx: int, slurm_id: str, state: JobState) -> bool:
+        """A job pending for a reason SLURM never lifts for it: cancelled, and FAILED with
+        SLURM's reason (instead of a sweep that waits for ever)."""
+        why = never_starts(
+            state.reason, self.nodes.get(idx, 1), lambda: commands.partition_nodes(state.partition)
+        )
+        if why is None:
+            return False
+        said = commands.scancel([slurm_id])
+        message = (
+            f"SLURM job {slurm_id} can never start ({state.reason}): {why}; it was cancelled{_said(said)}"
+        )
+        self._end(idx, _failure(message), FAILED)
+        return True
 
     def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
         """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
