@@ -507,3 +507,59 @@ def test_a_job_asking_for_more_nodes_than_its_partition_has_fails_at_once_with_s
     assert "Error executing job with overrides: ['x=1']" in output, output
     assert took < 60, took
     _wait_for(lambda: not _queue(cluster), "empty queue", 10)
+
+
+def _requeued_by_slurm(cluster: SlurmCluster, app_dir: Path, requeue) -> None:  # type: ignore[no-untyped-def]
+    """A sweep of two 2-node jobs, job 0 requeued by SLURM itself (`requeue(its id, its nodes)`)
+    once its ranks run: the launcher follows it through the requeue and gets its final result."""
+    launcher = _start(
+        cluster, app_dir, "hydra.launcher.nodes=2", "hydra.launcher.nproc_per_node=1", "steps=60", "x=1,2"
+    )
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        nodes = cluster.run(["squeue", "--noheader", f"--jobs={ids[0]}", "--format=%N"]).stdout.strip()
+        requeue(ids[0], nodes)
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    assert f"job #0 (SLURM job {ids[0]}): SLURM requeued it (restart 1" in output, output
+    assert "FAILED" not in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    first = jobs[0]["return_value"]
+    assert first["x"] == 1 and first["world"] == 2 and first["resumed"] is True, first
+    assert jobs[1]["return_value"]["resumed"] is False
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_job_scontrol_requeues_is_followed_through_its_requeue_and_continues_in_place(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    def requeue(slurm_id: str, nodes: str) -> None:
+        done = cluster.run(["scontrol", "requeue", slurm_id])
+        assert done.returncode == 0, done.stderr
+
+    _requeued_by_slurm(cluster, app_dir, requeue)
+
+
+def test_a_job_requeued_by_slurm_after_a_node_failure_is_followed_and_continues_in_place(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    downed: List[str] = []
+
+    def node_fails(slurm_id: str, nodes: str) -> None:
+        host = cluster.run(["scontrol", "show", "hostnames", nodes]).stdout.split()[-1]
+        done = cluster.run(["scontrol", "update", f"nodename={host}", "state=down", "reason=test"])
+        assert done.returncode == 0, done.stderr
+        downed.append(host)
+
+    try:
+        _requeued_by_slurm(cluster, app_dir, node_fails)
+    finally:
+        for host in downed:  # back in service (SLURM may have returned it already)
+            state = cluster.run(["sinfo", "--noheader", "--nodes", host, "--format=%T"]).stdout
+            if "down" in state or "drain" in state:
+                cluster.run(["scontrol", "update", f"nodename={host}", "state=resume"])

@@ -115,6 +115,19 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
     return states
 
 
+def job_run(job_id: str) -> Optional["tuple[str, int]"]:
+    """The job's state and how often SLURM requeued it (`Restarts`, counted when it requeues,
+    before the job's processes are stopped); None once SLURM no longer knows the job."""
+    result = _run([_command("scontrol"), "show", "job", "--oneliner", job_id])
+    if result.returncode != 0:
+        return None
+    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    state, restarts = fields.get("JobState"), fields.get("Restarts", "")
+    if not state or not restarts.isdigit():
+        return None
+    return state, int(restarts)
+
+
 def partition_nodes(partition: str) -> Optional[int]:
     """The most nodes one job of `partition` can have (its node count, or its MaxNodes where
     lower); None when SLURM does not say (several partitions, scontrol failing)."""

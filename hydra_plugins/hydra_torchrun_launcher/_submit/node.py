@@ -40,9 +40,9 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._shared.plan import Rendezvous
+from .._shared.stop_files import RANKS_STARTED_FILE
 from .files import (
     failure_file,
-    ranks_ran_file,
     read_private,
     request_file,
     requeued_file,
@@ -86,8 +86,10 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         plan.rendezvous = Rendezvous("c10d", endpoint, f"slurm-{run}_{idx}", plan.rendezvous.configs)
         plan.node_slot = node
     # continuing where an earlier submission's ranks ran (the launcher said so), or where this
-    # one's ran before SLURM requeued it
-    plan.resumed = plan.resumed or (restarts > 0 and ranks_ran_file(directory, idx, array_id).exists())
+    # one's ran before the job was requeued (by its node 0 after a stop, or by SLURM itself:
+    # a node failure, `scontrol requeue`, a preemption): the ranks' own mark in the job dir,
+    # which the launcher removes before it submits a job that starts afresh
+    plan.resumed = plan.resumed or (restarts > 0 and (plan.output_dir / RANKS_STARTED_FILE).exists())
     # this node's environment, as sbatch exported the submitting one (SLURM's variables added)
     request.environ = dict(environ)
     request.ignored_signals = []
@@ -104,16 +106,15 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     value = job_return._return_value
     if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
         # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
-        first = write_first(failure_file(directory, idx, array_id), pickled_return(job_return))
+        failed_first = failure_file(directory, idx, array_id, restarts)
+        first = write_first(failed_first, pickled_return(job_return))
         if node != 0:
             return 1
         if not first:
-            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx, array_id)))
+            job_return = _with_error_of(job_return, read_private(failed_first))
     if node != 0:
         return 0
     if isinstance(value, JobPreempted):
-        if value.ranks_ran:
-            write_private(ranks_ran_file(directory, idx, array_id), b"")
         refused = _timeout_refusal(timeouts_file(directory, idx, array_id), time_limit, environ)
         if refused is None:
             write_private(requeued_file(directory, idx, array_id), str(restarts + 1).encode())
@@ -123,7 +124,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
                 return 0  # SLURM ends this run; the job's result comes from the next
         else:
             job_return = _failed(job_return, refused)
-    write_private(result_file(directory, idx, array_id), pickled_return(job_return))
+    write_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0
 

@@ -46,6 +46,7 @@ from . import commands
 from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
     failure_file,
+    latest_runs,
     output_file,
     read_private,
     read_submitted,
@@ -162,15 +163,14 @@ class _Sweep:
         self.requeues: Dict[int, str] = {}
         # each job's overrides: the JobReturn of a job that ended without a result names them
         self.overrides: Dict[int, List[str]] = {}
+        # each job's latest run whose failure SLURM superseded by requeueing the job itself
+        self.superseded: Dict[int, int] = {}
         # each job's node count (a pending reason may say it is more than its partition has)
         self.nodes: Dict[int, int] = {}
 
     def _array(self, idx: int) -> str:
         """The SLURM array the job was submitted in: its run's files are named by it."""
         return self.slurm_ids[idx].split("_")[0]
-
-    def _result(self, idx: int) -> Path:
-        return result_file(self.directory, idx, self._array(idx))
 
     def stop(self, signum: int, frame: Any) -> None:
         if self.stop_signum is None:
@@ -258,9 +258,11 @@ class _Sweep:
         next_poll = time.monotonic()
         while self.slurm_ids:
             self._check_stop()
+            runs = latest_runs(self.directory)
             for idx in list(self.slurm_ids):
-                if self._result(idx).exists():
-                    self._collect(by_idx[idx])
+                attempt = self._new_run(runs, idx, "result")
+                if attempt is not None:
+                    self._judge(by_idx[idx], attempt)
                 else:
                     self._note_requeue(idx)
             if self.slurm_ids and time.monotonic() >= next_poll:
@@ -270,6 +272,48 @@ class _Sweep:
             if self.slurm_ids:
                 time.sleep(RESULT_CHECK_S)
         return {idx: self.returns[idx] for idx in by_idx}
+
+    def _new_run(self, runs: Dict[Tuple[int, str, str], int], idx: int, kind: str) -> Optional[int]:
+        """The latest run of the job that wrote a `kind` file, unless SLURM ran it again since."""
+        attempt = runs.get((idx, self._array(idx), kind))
+        return attempt if attempt is not None and attempt > self.superseded.get(idx, -1) else None
+
+    def _judge(self, plan: JobPlan, attempt: int) -> None:
+        """The result a run of the job wrote: the job's, unless it failed and SLURM requeued
+        the job itself (a node failure, `scontrol requeue`, a preemption): then the job runs
+        again, continuing in its job dir, and the launcher follows it."""
+        idx = plan.idx
+        path = result_file(self.directory, idx, self._array(idx), attempt)
+        job_return = self._read(path)
+        if job_return.status == JobStatus.COMPLETED or self._run_is_over(idx, attempt):
+            self._collect(plan, job_return)
+
+    def _run_is_over(self, idx: int, attempt: int) -> bool:
+        """Whether run `attempt` of the job is its last: SLURM did not requeue the job after it.
+        SLURM counts a requeue (Restarts) before it stops the run's processes, so a run that
+        failed because SLURM stopped it to requeue it shows a higher count already."""
+        slurm_id = self.slurm_ids[idx]
+        found = commands.job_run(slurm_id)
+        if found is None:  # SLURM no longer knows the job: it ended
+            return True
+        state, restarts = found
+        if restarts <= attempt:
+            return True
+        self.superseded[idx] = attempt
+        self.shown.pop(idx, None)  # its next state is news
+        self.ran.add(idx)
+        log.info(
+            f"job #{idx} (SLURM job {slurm_id}): SLURM requeued it (restart {restarts}, now {state.lower()}) "
+            "as its run was stopped: it runs again, continuing in its job dir"
+        )
+        return False
+
+    def _read(self, path: Path) -> JobReturn:
+        try:
+            job_return: JobReturn = cloudpickle.loads(read_private(path))
+        except Exception as e:  # a result that cannot be read is the job's failure, said so
+            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
+        return job_return
 
     def _note_requeue(self, idx: int) -> None:
         """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
@@ -300,8 +344,9 @@ class _Sweep:
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                if self._result(idx).exists():
-                    self._collect(by_idx[idx])
+                attempt = self._new_run(latest_runs(self.directory), idx, "result")
+                if attempt is not None:
+                    self._judge(by_idx[idx], attempt)
                 elif idx in self.ending:
                     if state is None:
                         state = commands.sacct(slurm_id) or JobState(
@@ -346,14 +391,9 @@ class _Sweep:
         self._end(idx, _failure(message), FAILED)
         return True
 
-    def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
-        """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
+    def _collect(self, plan: JobPlan, job_return: JobReturn) -> None:
+        """The job's result, as its node 0 wrote it (or a node's failure)."""
         idx = plan.idx
-        path = path or self._result(idx)
-        try:
-            job_return: JobReturn = cloudpickle.loads(read_private(path))
-        except Exception as e:  # a result that cannot be read is the job's failure, said so
-            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
         value = job_return._return_value
         if job_return.status == JobStatus.COMPLETED:
             status = COMPLETED
@@ -368,9 +408,10 @@ class _Sweep:
 
     def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is."""
-        failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx))
-        if failed_first.exists():  # a node recorded why before SLURM ended the job
-            self._collect(plan, failed_first)
+        attempt = self._new_run(latest_runs(self.directory), plan.idx, "failure")
+        if attempt is not None:  # a node of its last run recorded why before SLURM ended the job
+            failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx), attempt)
+            self._collect(plan, self._read(failed_first))
             return
         out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
         reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
