@@ -563,3 +563,23 @@ def test_a_job_requeued_by_slurm_after_a_node_failure_is_followed_and_continues_
             state = cluster.run(["sinfo", "--noheader", "--nodes", host, "--format=%T"]).stdout
             if "down" in state or "drain" in state:
                 cluster.run(["scontrol", "update", f"nodename={host}", "state=resume"])
+
+
+def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=10", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        # as soon as SLURM runs it: the node's interpreter is still starting
+        _wait_for(lambda: any(line == f"{ids[0]} RUNNING" for line in _queue(cluster)), "job 0 running")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    job = _summary(app_dir)[0]
+    assert job["status"] == "COMPLETED" and job["return_value"]["x"] == 1, output
+    text = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
+    assert "User defined signal 2" not in text and "is requeued" in text, text

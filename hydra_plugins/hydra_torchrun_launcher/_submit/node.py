@@ -22,6 +22,15 @@ often than `max_num_timeout` allows; when SLURM runs it again, its ranks see
 `preemption.resumed()` True in the same job dir.
 """
 
+# ruff: noqa: E402 (the stop notice is held before any import: see below)
+import signal
+
+# SLURM's stop notice (USR2: a preemption, `signal_delay_s` before the time limit) may come
+# in this process's first second, before its imports are done, where its default action
+# would end the node: it is held from here, and delivered once the job process listens for
+# it (`run_request` unblocks the group signals), to stop the job as any notice does
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
 import dataclasses
 import logging
 import os
