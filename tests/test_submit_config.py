@@ -100,6 +100,8 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         ("+hydra.launcher.nnodes=2", "nnodes"),
         ("+hydra.launcher.rdzv_endpoint=host:1", "rdzv_endpoint"),
         ("+hydra.launcher.no_such_key=1", "no_such_key"),
+        # the stop notice would come as the job starts
+        ("hydra.launcher.timeout_min=2", "signal_delay_s"),
     ],
 )
 def test_bad_keys_are_refused_in_one_line_naming_the_key(app: Path, override: str, key: str) -> None:

@@ -183,6 +183,12 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
         for line in lines:
             _text(key, line)
     signal_delay_s = _int("signal_delay_s", slurm.get("signal_delay_s", 120), 0)
+    if signal_delay_s >= timeout_min * 60:  # SLURM would send the stop notice as the job starts
+        raise LauncherConfigError(
+            f"hydra.launcher.signal_delay_s={signal_delay_s} is invalid with timeout_min={timeout_min}: "
+            f"the stop notice comes signal_delay_s before the time limit, so it must be below "
+            f"{timeout_min * 60} (or 0: no notice)"
+        )
     return SlurmOptions(
         directives=tuple(directives),
         nodes=nodes,
