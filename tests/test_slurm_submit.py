@@ -583,3 +583,27 @@ def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     assert job["status"] == "COMPLETED" and job["return_value"]["x"] == 1, output
     text = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
     assert "User defined signal 2" not in text and "is requeued" in text, text
+
+
+def test_jobs_cancelled_while_their_launcher_was_dead_run_again_with_the_same_command(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=20", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    cancelled = cluster.run(["scancel", *ids])
+    assert cancelled.returncode == 0, cancelled.stderr
+    _wait_for(lambda: not _queue(cluster), "empty queue", 60)
+    result = _sweep(cluster, app_dir, "steps=20", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    said = f"SLURM job(s) {ids[0]}, {ids[1]} of an earlier run ended without a result: submitted again"
+    assert said in output, output
+    assert "Submitting 2 jobs to SLURM" in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs

@@ -163,8 +163,9 @@ def _timeout_refusal(path: Path, time_limit: "tuple[int, int]", environ: Mapping
     count = int(path.read_text() or 0) if path.exists() else 0
     if count >= allowed:
         return (
-            f"SLURM job {own_job_id(environ)} reached its time limit (timeout_min) and was "
-            f"requeued {count} time(s) after one already (hydra.launcher.max_num_timeout={allowed})"
+            f"SLURM job {own_job_id(environ)} reached its time limit (timeout_min) with no requeue "
+            f"left: it was requeued at its time limit {count} time(s) already "
+            f"(hydra.launcher.max_num_timeout={allowed})"
         )
     write_private(path, str(count + 1).encode())
     return None

@@ -194,6 +194,8 @@ class _Sweep:
         sweep_dir = str(launcher.config.hydra.sweep.dir) if launcher.config is not None else ""
         fresh: List[JobPlan] = []
         stale: List[str] = []
+        gone: List[str] = []
+        alive = self._still_there()
         for plan in plans:
             self.overrides[plan.idx] = list(plan.overrides)
             self.nodes[plan.idx] = options[plan.idx].nodes
@@ -204,6 +206,10 @@ class _Sweep:
                 and known.get("fingerprint") == plan.fingerprint
                 and plan.settings.conf.resume is not False
             ):
+                if alive is not None and known["slurm_id"] not in alive:
+                    gone.append(known["slurm_id"])  # cancelled or lost: it runs again
+                    fresh.append(plan)
+                    continue
                 self.slurm_ids[plan.idx] = known["slurm_id"]
                 self.report.started(plan.idx)
                 log.info(
@@ -219,8 +225,13 @@ class _Sweep:
             log.info(
                 f"Cancelled SLURM job(s) {', '.join(stale)} of an earlier run of another sweep{_said(said)}"
             )
+        if gone:
+            log.info(
+                f"SLURM job(s) {', '.join(gone)} of an earlier run ended without a result: submitted again"
+            )
         if fresh:
-            log.info(f"Submitting {len(fresh)} jobs to SLURM into {shown_path(sweep_dir)}")
+            jobs = "1 job" if len(fresh) == 1 else f"{len(fresh)} jobs"
+            log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
         groups: Dict[SlurmOptions, List[JobPlan]] = {}
         for plan in fresh:
             groups.setdefault(options[plan.idx], []).append(plan)
@@ -248,6 +259,26 @@ class _Sweep:
                 log.info(f"\t{job_title(plan.idx, plan.overrides)} : SLURM job {slurm_id}")
                 self.report.started(plan.idx)  # until SLURM starts it, its time counts from here
             write_submitted(self.directory, self.submitted)
+
+    def _still_there(self) -> Optional[Set[str]]:
+        """The recorded jobs (of an earlier run of the launcher) that SLURM still runs or
+        queues, or that left a result; None when squeue cannot say (all are taken back)."""
+        recorded = {str(job["slurm_id"]) for job in self.submitted.values() if "slurm_id" in job}
+        if not recorded:
+            return set()
+        try:
+            states = commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
+        except SlurmCommandError:
+            return None
+        if states is None:
+            return None
+        runs = latest_runs(self.directory)
+        return {
+            slurm_id
+            for slurm_id in recorded
+            if (slurm_id in states and states[slurm_id].state not in ENDED_STATES)
+            or (int(slurm_id.split("_")[1]), slurm_id.split("_")[0], "result") in runs
+        }
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -414,13 +445,14 @@ class _Sweep:
             self._collect(plan, self._read(failed_first))
             return
         out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
-        reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
+        started = plan.idx in self.ran or out.exists()
+        # a job cancelled while pending keeps the reason it was pending for: not why it ended
+        shown = state.reason and state.reason != "None" and (started or state.state != "CANCELLED")
+        reason = f" ({state.reason})" if shown else ""
+        where = f"its output: {shown_path(str(out))}" if out.exists() else "it never started (no output)"
         self._end(
             plan.idx,
-            _failure(
-                f"SLURM job {slurm_id} ended {state.state}{reason} without a result; "
-                f"its output: {shown_path(str(out))}"
-            ),
+            _failure(f"SLURM job {slurm_id} ended {state.state}{reason} without a result; {where}"),
             FAILED,
         )
 
