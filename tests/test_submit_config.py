@@ -30,15 +30,15 @@ def _sweep(app: Path, *overrides: str, check: bool = True):  # type: ignore[no-u
 
 
 def _scripts(output: str) -> List[str]:
-    """Each job's sbatch script as the dry run prints it."""
+    """Each job array's sbatch script as the dry run prints it."""
     scripts, current = [], None
     for line in output.splitlines():
-        if line.strip() == "sbatch script:":
+        if line.startswith("\tsbatch script of "):
             current = []
             scripts.append(current)
-        elif current is not None and line.startswith("\t\t\t"):
-            current.append(line[3:])
-        elif current is not None and not line.startswith("\t\t\t"):
+        elif current is not None and line.startswith("\t\t"):
+            current.append(line[2:])
+        else:
             current = None
     return ["\n".join(script) for script in scripts]
 
@@ -57,11 +57,13 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         "+hydra.launcher.additional_parameters.mail-type=END",
         "hydra.launcher.setup=['module load cuda']",
         "hydra.launcher.srun_args=['--cpu-bind=none']",
+        "hydra.launcher.array_parallelism=1",
     )
     output = result.stdout + result.stderr
     scripts = _scripts(output)
-    assert len(scripts) == 2, output
-    script = scripts[1]
+    assert len(scripts) == 1, output  # both jobs in one array, as they are submitted
+    assert "\tsbatch script of #0, #1:" in output, output
+    script = scripts[0]
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for directive in (
@@ -73,7 +75,7 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         "--gpus-per-node=4",
         "--mem=32G",
         "--mail-type=END",
-        "--array=1",
+        "--array=0,1%1",
         "--requeue",
         "--signal=USR2@60",
         "--open-mode=append",

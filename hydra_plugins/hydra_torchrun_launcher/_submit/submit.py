@@ -232,15 +232,13 @@ class _Sweep:
         if fresh:
             jobs = "1 job" if len(fresh) == 1 else f"{len(fresh)} jobs"
             log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
-        groups: Dict[SlurmOptions, List[JobPlan]] = {}
         for plan in fresh:
-            groups.setdefault(options[plan.idx], []).append(plan)
             if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
                 (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
             write_private(
                 request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
             )
-        for slurm, group in groups.items():
+        for slurm, group in arrays(fresh, options).items():
             self._check_stop()
             jobs = [plan.idx for plan in group]
             script = self.directory / f"jobs{jobs[0]}.sbatch"
@@ -510,22 +508,29 @@ def _request(
     )
 
 
-def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
-    """Every job's batch script, as it would be submitted; nothing is."""
-    directory = sweep_dir / ".slurm"
-    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job; nothing is submitted"]
+def arrays(plans: List[JobPlan], options: Dict[int, SlurmOptions]) -> Dict[SlurmOptions, List[JobPlan]]:
+    """The jobs grouped as they are submitted: one SLURM job array per set of sbatch options."""
+    groups: Dict[SlurmOptions, List[JobPlan]] = {}
     for plan in plans:
-        conf = plan.settings.conf
+        groups.setdefault(options[plan.idx], []).append(plan)
+    return groups
+
+
+def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
+    """Each job, and the batch script of each array of them, as it would be submitted; nothing is."""
+    directory = sweep_dir / ".slurm"
+    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job of a job array; nothing is submitted"]
+    for slurm, group in arrays(plans, options).items():
+        for plan in group:
+            conf = plan.settings.conf
+            lines += [
+                f"\t#{plan.idx} : {' '.join(plan.overrides)}",
+                f"\t\tjob dir: {plan.output_dir}",
+                f"\t\tranks:   {plan.nproc} per node x {slurm.nodes} node(s), {conf.start_method}",
+            ]
+        jobs = [plan.idx for plan in group]
         lines += [
-            f"\t#{plan.idx} : {' '.join(plan.overrides)}",
-            f"\t\tjob dir: {plan.output_dir}",
-            f"\t\tranks:   {plan.nproc} per node x {options[plan.idx].nodes} node(s), {conf.start_method}",
-            "\t\tsbatch script:",
-            *(
-                f"\t\t\t{line}"
-                for line in batch_script(
-                    options[plan.idx], [plan.idx], directory, str(sweep_dir)
-                ).splitlines()
-            ),
+            f"\tsbatch script of {', '.join(f'#{idx}' for idx in jobs)}:",
+            *(f"\t\t{line}" for line in batch_script(slurm, jobs, directory, str(sweep_dir)).splitlines()),
         ]
     return "\n".join(lines)
