@@ -241,6 +241,7 @@ def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
         sorted(line for line in text.splitlines() if ": stopping after step" in line)
         and "is requeued" in text
     )
+    assert "resource_tracker" not in text and "KeyError" not in text, text  # SLURM's USR2 reached it
     stops = {
         line.split(": stopping after step ")[1]
         for line in text.splitlines()
@@ -571,8 +572,13 @@ def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     launcher = _start(cluster, app_dir, "steps=10", "x=1")
     try:
         ids = _submitted(app_dir, 1)
-        # as soon as SLURM runs it: the node's interpreter is still starting
-        _wait_for(lambda: any(line == f"{ids[0]} RUNNING" for line in _queue(cluster)), "job 0 running")
+        # as soon as srun has started the node's task: its interpreter is still starting
+        _wait_for(
+            lambda: cluster.run(
+                ["squeue", "--noheader", "--steps", f"--jobs={ids[0]}", "--format=%i"]
+            ).stdout.strip(),
+            "job 0's step",
+        )
         signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
         assert signalled.returncode == 0, signalled.stderr
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)

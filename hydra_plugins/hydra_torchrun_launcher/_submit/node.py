@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import traceback
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -105,6 +106,10 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     if node != 0:
         request.config = without_bookkeeping(request.config)
         request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=_NoCallbacks())
+    # multiprocessing's resource tracker (the ranks' shared memory), started while USR2 is held:
+    # it keeps it held, so SLURM's notice, which reaches every process of the job, does not
+    # kill it (the ranks would start another, and unlinking their memory would fail there)
+    resource_tracker.ensure_running()
     try:
         job_return = run_request(request)
     except Exception as e:  # outside the task (Hydra's bookkeeping): still the job's error
