@@ -120,7 +120,10 @@ def job_run(job_id: str) -> Optional["tuple[str, int]"]:
     before the job's processes are stopped); None once SLURM no longer knows the job."""
     result = _run([_command("scontrol"), "show", "job", "--oneliner", job_id])
     if result.returncode != 0:
-        return None
+        said = _said(result)
+        if "Invalid job id" in said:
+            return None
+        raise SlurmCommandError(said)
     fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if not state or not restarts.isdigit():

@@ -165,6 +165,8 @@ class _Sweep:
         self.overrides: Dict[int, List[str]] = {}
         # each job's latest run whose failure SLURM superseded by requeueing the job itself
         self.superseded: Dict[int, int] = {}
+        # when a job's result is looked at again, where scontrol could not say if it is final
+        self.judge_after: Dict[int, float] = {}
         # each job's node count (a pending reason may say it is more than its partition has)
         self.nodes: Dict[int, int] = {}
 
@@ -312,6 +314,8 @@ class _Sweep:
         the job itself (a node failure, `scontrol requeue`, a preemption): then the job runs
         again, continuing in its job dir, and the launcher follows it."""
         idx = plan.idx
+        if time.monotonic() < self.judge_after.get(idx, 0.0):
+            return
         path = result_file(self.directory, idx, self._array(idx), attempt)
         job_return = self._read(path)
         if job_return.status == JobStatus.COMPLETED or self._run_is_over(idx, attempt):
@@ -322,7 +326,12 @@ class _Sweep:
         SLURM counts a requeue (Restarts) before it stops the run's processes, so a run that
         failed because SLURM stopped it to requeue it shows a higher count already."""
         slurm_id = self.slurm_ids[idx]
-        found = commands.job_run(slurm_id)
+        try:
+            found = commands.job_run(slurm_id)
+        except SlurmCommandError as e:  # the result is judged again a little later
+            log.warning(f"scontrol show job {slurm_id}: {e}; asking again later")
+            self.judge_after[idx] = time.monotonic() + POLL_CONFIRM_S
+            return False
         if found is None:  # SLURM no longer knows the job: it ended
             return True
         state, restarts = found
