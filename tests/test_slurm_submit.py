@@ -613,3 +613,23 @@ def test_jobs_cancelled_while_their_launcher_was_dead_run_again_with_the_same_co
     jobs = _summary(app_dir)
     assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
     assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+
+
+def test_a_jobs_time_counts_from_when_slurm_started_it_also_after_the_launcher_came_back(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=100", "step_s=0.2", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=100", "step_s=0.2", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    job = _summary(app_dir)[0]
+    # its 100 steps of 0.2 s ran on SLURM's clock, most of them before this launcher started
+    assert job["status"] == "COMPLETED" and job["duration_s"] >= 20, job

@@ -47,6 +47,7 @@ class JobState:
     nodes: str
     restarts: int = 0
     partition: str = ""
+    elapsed_s: Optional[float] = None  # how long its current run has run (squeue's %M)
 
 
 def _command(name: str) -> str:
@@ -101,7 +102,7 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
             "--array",
             "--states=all",
             f"--jobs={','.join(ids)}",
-            "--format=%i|%T|%r|%N|%P",
+            "--format=%i|%T|%r|%N|%P|%M",
         ]
     )
     if result.returncode != 0:
@@ -110,9 +111,27 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
     states: Dict[str, JobState] = {}
     for line in result.stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 5:
-            states[parts[0]] = JobState(parts[1], parts[2], parts[3], partition=parts[4])
+        if len(parts) == 6:
+            states[parts[0]] = JobState(
+                parts[1], parts[2], parts[3], partition=parts[4], elapsed_s=duration_s(parts[5])
+            )
     return states
+
+
+def duration_s(shown: str) -> Optional[float]:
+    """A duration as squeue shows it (`%L`, `%M`: `[days-]hours:minutes:seconds`,
+    `minutes:seconds`) in seconds; None for what is no duration (UNLIMITED, NOT_SET, INVALID)."""
+    days, _, clock = shown.strip().rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        whole_days = int(days or 0)
+    except ValueError:
+        return None
+    if not 1 <= len(parts) <= 3:
+        return None
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return float((whole_days * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2])
 
 
 def job_run(job_id: str) -> Optional["tuple[str, int]"]:

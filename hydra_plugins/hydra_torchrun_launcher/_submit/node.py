@@ -51,6 +51,7 @@ from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._shared.plan import Rendezvous
 from .._shared.stop_files import RANKS_STARTED_FILE
+from .commands import duration_s
 from .files import (
     failure_file,
     read_private,
@@ -195,23 +196,7 @@ def _time_left_s(job_id: str) -> Optional[float]:
         ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_time_left(shown[0]) if shown else None
-
-
-def parse_time_left(shown: str) -> Optional[float]:
-    """squeue's `%L` (`[days-]hours:minutes:seconds`, `minutes:seconds`) in seconds; None for
-    what is no duration (UNLIMITED, NOT_SET, INVALID)."""
-    days, _, clock = shown.rpartition("-")
-    try:
-        parts = [int(p) for p in clock.split(":")]
-        whole_days = int(days or 0)
-    except ValueError:
-        return None
-    if not 1 <= len(parts) <= 3:
-        return None
-    while len(parts) < 3:
-        parts.insert(0, 0)
-    return (whole_days * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+    return duration_s(shown[0]) if shown else None
 
 
 if __name__ == "__main__":

@@ -402,7 +402,9 @@ class _Sweep:
             self.shown[idx] = now
             title = f"job #{idx} (SLURM job {slurm_id})"
             if state.state == "RUNNING":
-                self.report.started(idx)  # its time counts from here
+                # its time counts from when SLURM started this run (the launcher sees it later)
+                ran_s = state.elapsed_s or 0.0
+                self.report.started(idx, at=time.monotonic() - ran_s)
                 again = idx in self.ran  # a run of it ended before: SLURM requeued it
                 self.ran.add(idx)
                 log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
