@@ -572,13 +572,10 @@ def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     launcher = _start(cluster, app_dir, "steps=10", "x=1")
     try:
         ids = _submitted(app_dir, 1)
-        # as soon as srun has started the node's task: its interpreter is still starting
-        _wait_for(
-            lambda: cluster.run(
-                ["squeue", "--noheader", "--steps", f"--jobs={ids[0]}", "--format=%i"]
-            ).stdout.strip(),
-            "job 0's step",
-        )
+        # as soon as srun has started the node's task (step 0; a signal before it reaches no
+        # process): its interpreter is still starting
+        steps = ["squeue", "--noheader", "--steps", f"--jobs={ids[0]}", "--format=%i"]
+        _wait_for(lambda: f"{ids[0]}.0" in cluster.run(steps).stdout.split(), "job 0's step 0")
         signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
         assert signalled.returncode == 0, signalled.stderr
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
