@@ -155,6 +155,7 @@ def test_an_impossible_request_fails_at_once_with_slurms_reason(cluster: SlurmCl
         jobs[0]
     )
     assert "Traceback" not in output, output
+    assert "Error executing job with overrides: ['x=1']" in output, output  # the job's own
     assert took < 60, took
 
 
@@ -171,7 +172,7 @@ def test_dry_run_prints_each_jobs_sbatch_script_and_submits_nothing(
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert output.count("#SBATCH --nodes=2") == 2, output
+    assert output.count("#SBATCH --nodes=2") == 1 and "#SBATCH --array=0,1" in output, output  # one array
     assert "#SBATCH --partition=debug" in output and "#SBATCH --signal=USR2@120" in output, output
     assert "_submit.node" in output and "srun --ntasks-per-node=1" in output, output
     assert not (app_dir / "sweep" / "sweep_summary.json").exists()
@@ -240,6 +241,7 @@ def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
         sorted(line for line in text.splitlines() if ": stopping after step" in line)
         and "is requeued" in text
     )
+    assert "resource_tracker" not in text and "KeyError" not in text, text  # SLURM's USR2 reached it
     stops = {
         line.split(": stopping after step ")[1]
         for line in text.splitlines()
@@ -384,3 +386,247 @@ def test_optuna_sweeps_through_slurm_jobs_with_rank_0s_values(cluster: SlurmClus
         values.append(rank0["value"])
     results = (app_dir / "sweep" / "optimization_results.yaml").read_text()
     assert f"best_value: {min(values)}" in results, results
+
+
+def test_a_stop_signal_to_the_last_job_of_an_array_requeues_it_and_it_resumes(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    # the raw id of an array's last job is the array's own id: squeue and scontrol must be
+    # asked about that one job (`<array>_<task>`), not about every job of the array
+    launcher = _start(cluster, app_dir, "steps=40", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job1.{ids[1].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=2" in out.read_text(), "job 1's first steps")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[1]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    last = jobs[1]["return_value"]
+    assert last["x"] == 2 and last["resumed"] is True and 0 < last["from"] < 40, last
+    assert jobs[0]["return_value"]["resumed"] is False and jobs[0]["return_value"]["from"] == 0
+    text = out.read_text()
+    assert "_time_left_s" not in text and "is requeued" in text, text
+    assert f"job #1 (SLURM job {ids[1]}) stopped at a step boundary and is requeued" in output, output
+
+
+def test_quoted_values_a_bare_flag_and_a_changed_working_dir_reach_sbatch_as_meant(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    # values sbatch must read whole (a space, a quote, a `$`), `exclusive: true` as the bare
+    # flag, and a job that starts elsewhere (`cd` in setup, --chdir) while the sweep dir is relative
+    result = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "--multirun",
+            "hydra/launcher=torchrun_slurm",
+            "hydra.sweep.dir='a sweep'",
+            "hydra.launcher.name='my job'",
+            'hydra.launcher.comment="it\'s a $HOME comment"',
+            "+hydra.launcher.additional_parameters.exclusive=true",
+            "+hydra.launcher.additional_parameters.chdir=/",
+            "hydra.launcher.setup=['cd /']",
+            "x=1,2",
+        ],
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    summary = json.loads((app_dir / "a sweep" / "sweep_summary.json").read_text())["jobs"]
+    assert [job["status"] for job in summary] == ["COMPLETED"] * 2, output
+    assert [job["return_value"]["x"] for job in summary] == [1, 2], summary
+    assert len(list((app_dir / "a sweep" / ".slurm").glob("job*.out"))) == 2
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_changed_sweep_after_a_killed_launcher_cancels_the_old_jobs_and_waits_for_its_own(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=1000", "x=1,2")
+    try:
+        old = _submitted(app_dir, 2)
+        _running(cluster, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=3", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"Cancelled SLURM job(s) {old[0]}, {old[1]} of an earlier run of another sweep" in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+    # nothing the old sweep's cancelled jobs wrote is taken for the new ones
+    assert "FAILED" not in output and "Error executing job" not in output, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs_again(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=50", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        assert (app_dir / "sweep" / "0" / ".hydra" / "ranks_started").exists()
+        os.killpg(launcher.pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=60)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 130, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+    result = _sweep(cluster, app_dir, "steps=50", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "1 unfinished job(s) continue (#0)" in output, output
+    job = _summary(app_dir)[0]
+    assert job["status"] == "COMPLETED" and job["return_value"]["resumed"] is True, job
+
+
+def test_a_job_asking_for_more_nodes_than_its_partition_has_fails_at_once_with_slurms_reason(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    started = time.monotonic()
+    result = _sweep(cluster, app_dir, "hydra.launcher.nodes=5", "x=1")
+    took = time.monotonic() - started
+    output = result.stdout + result.stderr
+    job = _summary(app_dir)[0]
+    assert job["status"] == "FAILED", output
+    assert "PartitionNodeLimit" in job["error"] or "PartitionConfig" in job["error"], job["error"]
+    assert "asks for 5 nodes (hydra.launcher.nodes) and its partition has at most 4" in job["error"], job
+    assert "Error executing job with overrides: ['x=1']" in output, output
+    assert took < 60, took
+    _wait_for(lambda: not _queue(cluster), "empty queue", 10)
+
+
+def _requeued_by_slurm(cluster: SlurmCluster, app_dir: Path, requeue) -> None:  # type: ignore[no-untyped-def]
+    """A sweep of two 2-node jobs, job 0 requeued by SLURM itself (`requeue(its id, its nodes)`)
+    once its ranks run: the launcher follows it through the requeue and gets its final result."""
+    launcher = _start(
+        cluster, app_dir, "hydra.launcher.nodes=2", "hydra.launcher.nproc_per_node=1", "steps=60", "x=1,2"
+    )
+    try:
+        ids = _submitted(app_dir, 2)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        nodes = cluster.run(["squeue", "--noheader", f"--jobs={ids[0]}", "--format=%N"]).stdout.strip()
+        requeue(ids[0], nodes)
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    assert f"job #0 (SLURM job {ids[0]}): SLURM requeued it (restart 1" in output, output
+    assert "FAILED" not in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    first = jobs[0]["return_value"]
+    assert first["x"] == 1 and first["world"] == 2 and first["resumed"] is True, first
+    assert jobs[1]["return_value"]["resumed"] is False
+    _wait_for(lambda: not _queue(cluster), "empty queue", 30)
+
+
+def test_a_job_scontrol_requeues_is_followed_through_its_requeue_and_continues_in_place(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    def requeue(slurm_id: str, nodes: str) -> None:
+        done = cluster.run(["scontrol", "requeue", slurm_id])
+        assert done.returncode == 0, done.stderr
+
+    _requeued_by_slurm(cluster, app_dir, requeue)
+
+
+def test_a_job_requeued_by_slurm_after_a_node_failure_is_followed_and_continues_in_place(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    downed: List[str] = []
+
+    def node_fails(slurm_id: str, nodes: str) -> None:
+        host = cluster.run(["scontrol", "show", "hostnames", nodes]).stdout.split()[-1]
+        done = cluster.run(["scontrol", "update", f"nodename={host}", "state=down", "reason=test"])
+        assert done.returncode == 0, done.stderr
+        downed.append(host)
+
+    try:
+        _requeued_by_slurm(cluster, app_dir, node_fails)
+    finally:
+        for host in downed:  # back in service (SLURM may have returned it already)
+            state = cluster.run(["sinfo", "--noheader", "--nodes", host, "--format=%T"]).stdout
+            if "down" in state or "drain" in state:
+                cluster.run(["scontrol", "update", f"nodename={host}", "state=resume"])
+
+
+def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=10", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        # as soon as srun has started the node's task (step 0; a signal before it reaches no
+        # process): its interpreter is still starting
+        steps = ["squeue", "--noheader", "--steps", f"--jobs={ids[0]}", "--format=%i"]
+        _wait_for(lambda: f"{ids[0]}.0" in cluster.run(steps).stdout.split(), "job 0's step 0")
+        signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
+        assert signalled.returncode == 0, signalled.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    job = _summary(app_dir)[0]
+    assert job["status"] == "COMPLETED" and job["return_value"]["x"] == 1, output
+    text = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
+    assert "User defined signal 2" not in text and "is requeued" in text, text
+
+
+def test_jobs_cancelled_while_their_launcher_was_dead_run_again_with_the_same_command(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=20", "x=1,2")
+    try:
+        ids = _submitted(app_dir, 2)
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    cancelled = cluster.run(["scancel", *ids])
+    assert cancelled.returncode == 0, cancelled.stderr
+    _wait_for(lambda: not _queue(cluster), "empty queue", 60)
+    result = _sweep(cluster, app_dir, "steps=20", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    said = f"SLURM job(s) {ids[0]}, {ids[1]} of an earlier run ended without a result: submitted again"
+    assert said in output, output
+    assert "Submitting 2 jobs to SLURM" in output, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED"] * 2, output
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+
+
+def test_a_jobs_time_counts_from_when_slurm_started_it_also_after_the_launcher_came_back(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    launcher = _start(cluster, app_dir, "steps=100", "step_s=0.2", "x=1")
+    try:
+        ids = _submitted(app_dir, 1)
+        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
+        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        launcher.kill()
+        launcher.communicate()
+    finally:
+        kill_tree(launcher)
+    result = _sweep(cluster, app_dir, "steps=100", "step_s=0.2", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    job = _summary(app_dir)[0]
+    # its 100 steps of 0.2 s ran on SLURM's clock, most of them before this launcher started
+    assert job["status"] == "COMPLETED" and job["duration_s"] >= 20, job

@@ -30,15 +30,15 @@ def _sweep(app: Path, *overrides: str, check: bool = True):  # type: ignore[no-u
 
 
 def _scripts(output: str) -> List[str]:
-    """Each job's sbatch script as the dry run prints it."""
+    """Each job array's sbatch script as the dry run prints it."""
     scripts, current = [], None
     for line in output.splitlines():
-        if line.strip() == "sbatch script:":
+        if line.startswith("\tsbatch script of "):
             current = []
             scripts.append(current)
-        elif current is not None and line.startswith("\t\t\t"):
-            current.append(line[3:])
-        elif current is not None and not line.startswith("\t\t\t"):
+        elif current is not None and line.startswith("\t\t"):
+            current.append(line[2:])
+        else:
             current = None
     return ["\n".join(script) for script in scripts]
 
@@ -57,11 +57,13 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         "+hydra.launcher.additional_parameters.mail-type=END",
         "hydra.launcher.setup=['module load cuda']",
         "hydra.launcher.srun_args=['--cpu-bind=none']",
+        "hydra.launcher.array_parallelism=1",
     )
     output = result.stdout + result.stderr
     scripts = _scripts(output)
-    assert len(scripts) == 2, output
-    script = scripts[1]
+    assert len(scripts) == 1, output  # both jobs in one array, as they are submitted
+    assert "\tsbatch script of #0, #1:" in output, output
+    script = scripts[0]
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     for directive in (
@@ -73,7 +75,7 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         "--gpus-per-node=4",
         "--mem=32G",
         "--mail-type=END",
-        "--array=1",
+        "--array=0,1%1",
         "--requeue",
         "--signal=USR2@60",
         "--open-mode=append",
@@ -100,6 +102,8 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
         ("+hydra.launcher.nnodes=2", "nnodes"),
         ("+hydra.launcher.rdzv_endpoint=host:1", "rdzv_endpoint"),
         ("+hydra.launcher.no_such_key=1", "no_such_key"),
+        # the stop notice would come as the job starts
+        ("hydra.launcher.timeout_min=2", "signal_delay_s"),
     ],
 )
 def test_bad_keys_are_refused_in_one_line_naming_the_key(app: Path, override: str, key: str) -> None:
@@ -109,3 +113,41 @@ def test_bad_keys_are_refused_in_one_line_naming_the_key(app: Path, override: st
     assert len(lines) <= 3, result.stderr
     assert f"hydra.launcher.{key}" in lines[0], result.stderr
     assert not (app.parent / "sweep" / ".slurm").exists()
+
+
+def test_the_dry_run_quotes_values_as_submitit_and_names_every_path_absolutely(app: Path) -> None:
+    result = _sweep(
+        app,
+        "hydra.launcher.dry_run=true",
+        "hydra.sweep.dir='a sweep'",
+        "hydra.launcher.name='my job'",
+        'hydra.launcher.comment="it\'s a $HOME comment"',
+        "+hydra.launcher.additional_parameters.exclusive=true",
+        "+hydra.launcher.additional_parameters.hold=false",
+        "+hydra.launcher.additional_parameters.mail_user=null",
+    )
+    output = result.stdout + result.stderr
+    script = _scripts(output)[0]
+    lines = script.splitlines()
+    assert "#SBATCH --job-name='my job'" in lines, script
+    assert "#SBATCH --comment='it'\"'\"'s a $HOME comment'" in lines, script
+    assert "#SBATCH --exclusive" in lines and "hold" not in script and "mail" not in script, script
+    absolute = f"{app.parent}/a sweep/.slurm"
+    assert f"#SBATCH --output='{absolute}/job%a.%A.out'" in lines, script
+    assert f" '{absolute}' " in lines[-1], script
+
+
+@pytest.mark.parametrize("key", ["tasks_per_node", "submitit_folder"])
+def test_a_submitit_key_is_refused_saying_what_to_do_instead(app: Path, key: str) -> None:
+    result = _sweep(app, f"+hydra.launcher.{key}=1", check=False)
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if f"hydra.launcher.{key}" in line)
+    assert "hydra/launcher=torchrun_slurm" in line and "drop it" in line, result.stderr
+
+
+def test_an_unknown_key_is_refused_listing_the_slurm_launchers_own_keys(app: Path) -> None:
+    result = _sweep(app, "+hydra.launcher.no_such_key=1", check=False)
+    assert result.returncode != 0
+    line = next(line for line in result.stderr.splitlines() if "hydra.launcher.no_such_key" in line)
+    assert "hydra/launcher=torchrun_slurm" in line, line
+    assert "partition" in line and "timeout_min" in line and "master_addr" not in line, line

@@ -153,14 +153,16 @@ def _resume_hint(sweep_dir: str, resume: Any) -> str:
     )
 
 
-def requeue_slurm_job(environ: Mapping[str, str]) -> Optional[str]:
+def requeue_slurm_job(environ: Mapping[str, str], job_id: Optional[str] = None) -> Optional[str]:
     """Requeue the SLURM batch job this launcher runs in, from its node 0; what was done.
 
     None outside a SLURM job; on another node, that node 0 does it. A job SLURM will
     not requeue (submitted with --no-requeue, not a batch job) is said in one line: the
     sweep's record is written already: submitted again with the same sweep dir, it resumes.
+    `job_id`: the id to give scontrol (a job of an array: `<array id>_<task id>`, since the
+    raw id of an array's last job names the whole array).
     """
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    job_id = job_id or environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
         return None
     if environ.get("SLURM_NODEID", "0") != "0":

@@ -143,10 +143,11 @@ class SweepReport:
             )
         self.write()
 
-    def started(self, num: int) -> None:
-        """The job starts: RUNNING in the summary file until it ends, so that a record left by
-        a launcher that died (kill -9, a node failure) says the job did not end."""
-        self._started[num] = time.monotonic()
+    def started(self, num: int, at: Optional[float] = None) -> None:
+        """The job starts (`at`: when, on the monotonic clock, if before now): RUNNING in the
+        summary file until it ends, so that a record left by a launcher that died (kill -9, a
+        node failure) says the job did not end."""
+        self._started[num] = time.monotonic() if at is None else at
         self.outcomes[num].status = RUNNING
         self.write()
 

@@ -46,6 +46,8 @@ class JobState:
     reason: str
     nodes: str
     restarts: int = 0
+    partition: str = ""
+    elapsed_s: Optional[float] = None  # how long its current run has run (squeue's %M)
 
 
 def _command(name: str) -> str:
@@ -100,7 +102,7 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
             "--array",
             "--states=all",
             f"--jobs={','.join(ids)}",
-            "--format=%i|%T|%r|%N",
+            "--format=%i|%T|%r|%N|%P|%M",
         ]
     )
     if result.returncode != 0:
@@ -109,9 +111,56 @@ def squeue(array_ids: Iterable[str]) -> Optional[Dict[str, JobState]]:
     states: Dict[str, JobState] = {}
     for line in result.stdout.splitlines():
         parts = line.strip().split("|")
-        if len(parts) == 4:
-            states[parts[0]] = JobState(parts[1], parts[2], parts[3])
+        if len(parts) == 6:
+            states[parts[0]] = JobState(
+                parts[1], parts[2], parts[3], partition=parts[4], elapsed_s=duration_s(parts[5])
+            )
     return states
+
+
+def duration_s(shown: str) -> Optional[float]:
+    """A duration as squeue shows it (`%L`, `%M`: `[days-]hours:minutes:seconds`,
+    `minutes:seconds`) in seconds; None for what is no duration (UNLIMITED, NOT_SET, INVALID)."""
+    days, _, clock = shown.strip().rpartition("-")
+    try:
+        parts = [int(p) for p in clock.split(":")]
+        whole_days = int(days or 0)
+    except ValueError:
+        return None
+    if not 1 <= len(parts) <= 3:
+        return None
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return float((whole_days * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2])
+
+
+def job_run(job_id: str) -> Optional["tuple[str, int]"]:
+    """The job's state and how often SLURM requeued it (`Restarts`, counted when it requeues,
+    before the job's processes are stopped); None once SLURM no longer knows the job."""
+    result = _run([_command("scontrol"), "show", "job", "--oneliner", job_id])
+    if result.returncode != 0:
+        said = _said(result)
+        if "Invalid job id" in said:
+            return None
+        raise SlurmCommandError(said)
+    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    state, restarts = fields.get("JobState"), fields.get("Restarts", "")
+    if not state or not restarts.isdigit():
+        return None
+    return state, int(restarts)
+
+
+def partition_nodes(partition: str) -> Optional[int]:
+    """The most nodes one job of `partition` can have (its node count, or its MaxNodes where
+    lower); None when SLURM does not say (several partitions, scontrol failing)."""
+    if not partition or "," in partition:
+        return None
+    result = _run([_command("scontrol"), "show", "partition", "--oneliner", partition])
+    if result.returncode != 0:
+        return None
+    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    limits = [int(fields[key]) for key in ("TotalNodes", "MaxNodes") if fields.get(key, "").isdigit()]
+    return min(limits) if limits else None
 
 
 def sacct(job_id: str) -> Optional[JobState]:

@@ -9,9 +9,10 @@ The sweep dir is on a filesystem the nodes share, as with submitit's folder.
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from .._launcher.durable import replace_whole
 
@@ -31,29 +32,44 @@ def request_file(directory: Path, idx: int) -> Path:
     return directory / f"job{idx}.request"
 
 
-def result_file(directory: Path, idx: int) -> Path:
-    return directory / f"job{idx}.result"
+def result_file(directory: Path, idx: int, array_id: str, attempt: int) -> Path:
+    """The job's result as its node 0 wrote it in run `attempt` (SLURM_RESTART_COUNT). Every
+    file a run of the job writes is named by the array SLURM gave it (`array_id`): a job of an
+    earlier submission into the same sweep dir (cancelled, or still ending) never writes what
+    the launcher reads of this one; and by the run: the failure of a run that SLURM requeued
+    itself (a node failure, `scontrol requeue`, preemption) is not taken for the job's end."""
+    return directory / f"job{idx}.{array_id}.{attempt}.result"
 
 
-def failure_file(directory: Path, idx: int) -> Path:
-    """The first failure any node of the job saw (its JobReturn): the root cause, where a
+def failure_file(directory: Path, idx: int, array_id: str, attempt: int) -> Path:
+    """The first failure any node of the job's run saw (its JobReturn): the root cause, where a
     rank that failed on one node made SLURM stop the others (`srun --kill-on-bad-exit`)."""
-    return directory / f"job{idx}.failure"
+    return directory / f"job{idx}.{array_id}.{attempt}.failure"
 
 
-def ranks_ran_file(directory: Path, idx: int) -> Path:
-    """Made by node 0 when the job was preempted after its ranks ran: the requeued run resumes."""
-    return directory / f"job{idx}.ranks_ran"
+_RUN_FILE = re.compile(r"^job(\d+)\.(\d+)\.(\d+)\.(result|failure)$")
 
 
-def requeued_file(directory: Path, idx: int) -> Path:
+def latest_runs(directory: Path) -> Dict[Tuple[int, str, str], int]:
+    """The latest run that wrote each kind of file ("result", "failure"), by (job number,
+    array id, kind): one listing of the dir for the whole sweep."""
+    latest: Dict[Tuple[int, str, str], int] = {}
+    for name in os.listdir(directory):
+        found = _RUN_FILE.match(name)
+        if found:
+            key = (int(found[1]), found[2], found[4])
+            latest[key] = max(latest.get(key, -1), int(found[3]))
+    return latest
+
+
+def requeued_file(directory: Path, idx: int, array_id: str) -> Path:
     """How many times node 0 requeued the job after a stop (written just before it does)."""
-    return directory / f"job{idx}.requeued"
+    return directory / f"job{idx}.{array_id}.requeued"
 
 
-def timeouts_file(directory: Path, idx: int) -> Path:
+def timeouts_file(directory: Path, idx: int, array_id: str) -> Path:
     """How many times the job was requeued after reaching its time limit (max_num_timeout)."""
-    return directory / f"job{idx}.timeouts"
+    return directory / f"job{idx}.{array_id}.timeouts"
 
 
 def output_pattern(directory: Path) -> str:

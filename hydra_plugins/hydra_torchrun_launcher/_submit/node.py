@@ -22,12 +22,22 @@ often than `max_num_timeout` allows; when SLURM runs it again, its ranks see
 `preemption.resumed()` True in the same job dir.
 """
 
+# ruff: noqa: E402 (the stop notice is held before any import: see below)
+import signal
+
+# SLURM's stop notice (USR2: a preemption, `signal_delay_s` before the time limit) may come
+# in this process's first second, before its imports are done, where its default action
+# would end the node: it is held from here, and delivered once the job process listens for
+# it (`run_request` unblocks the group signals), to stop the job as any notice does
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+
 import dataclasses
 import logging
 import os
 import subprocess
 import sys
 import traceback
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -40,9 +50,10 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._shared.plan import Rendezvous
+from .._shared.stop_files import RANKS_STARTED_FILE
+from .commands import duration_s
 from .files import (
     failure_file,
-    ranks_ran_file,
     read_private,
     request_file,
     requeued_file,
@@ -75,6 +86,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     request = decode_request(read_private(request_file(directory, idx)))
     plan = request.plan
     job_id = environ["SLURM_JOB_ID"]
+    array_id = environ.get("SLURM_ARRAY_JOB_ID") or job_id
     restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)
     if plan.settings.max_nodes > 1:
         run = job_id + (f".restart{restarts}" if restarts else "")
@@ -84,13 +96,21 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         plan.settings = dataclasses.replace(plan.settings, conf=conf)
         plan.rendezvous = Rendezvous("c10d", endpoint, f"slurm-{run}_{idx}", plan.rendezvous.configs)
         plan.node_slot = node
-    plan.resumed = restarts > 0 and ranks_ran_file(directory, idx).exists()
+    # continuing where an earlier submission's ranks ran (the launcher said so), or where this
+    # one's ran before the job was requeued (by its node 0 after a stop, or by SLURM itself:
+    # a node failure, `scontrol requeue`, a preemption): the ranks' own mark in the job dir,
+    # which the launcher removes before it submits a job that starts afresh
+    plan.resumed = plan.resumed or (restarts > 0 and (plan.output_dir / RANKS_STARTED_FILE).exists())
     # this node's environment, as sbatch exported the submitting one (SLURM's variables added)
     request.environ = dict(environ)
     request.ignored_signals = []
     if node != 0:
         request.config = without_bookkeeping(request.config)
         request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=_NoCallbacks())
+    # multiprocessing's resource tracker (the ranks' shared memory), started while USR2 is held:
+    # it keeps it held, so SLURM's notice, which reaches every process of the job, does not
+    # kill it (the ranks would start another, and unlinking their memory would fail there)
+    resource_tracker.ensure_running()
     try:
         job_return = run_request(request)
     except Exception as e:  # outside the task (Hydra's bookkeeping): still the job's error
@@ -101,26 +121,25 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     value = job_return._return_value
     if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
         # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
-        first = write_first(failure_file(directory, idx), pickled_return(job_return))
+        failed_first = failure_file(directory, idx, array_id, restarts)
+        first = write_first(failed_first, pickled_return(job_return))
         if node != 0:
             return 1
         if not first:
-            job_return = _with_error_of(job_return, read_private(failure_file(directory, idx)))
+            job_return = _with_error_of(job_return, read_private(failed_first))
     if node != 0:
         return 0
     if isinstance(value, JobPreempted):
-        if value.ranks_ran:
-            write_private(ranks_ran_file(directory, idx), b"")
-        refused = _timeout_refusal(directory, idx, time_limit, environ)
+        refused = _timeout_refusal(timeouts_file(directory, idx, array_id), time_limit, environ)
         if refused is None:
-            write_private(requeued_file(directory, idx), str(restarts + 1).encode())
-            said = requeue_slurm_job(environ)
+            write_private(requeued_file(directory, idx, array_id), str(restarts + 1).encode())
+            said = requeue_slurm_job(environ, own_job_id(environ))
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:
                 return 0  # SLURM ends this run; the job's result comes from the next
         else:
             job_return = _failed(job_return, refused)
-    write_private(result_file(directory, idx), pickled_return(job_return))
+    write_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0
 
@@ -140,24 +159,30 @@ def _failed(job_return: JobReturn, why: str) -> JobReturn:
     return failed
 
 
-def _timeout_refusal(
-    directory: Path, idx: int, time_limit: "tuple[int, int]", environ: Mapping[str, str]
-) -> Optional[str]:
+def _timeout_refusal(path: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> Optional[str]:
     """Why the job is not requeued after reaching its time limit (max_num_timeout), or None:
     a preemption, or a time limit with requeues left (then counted)."""
-    left = _time_left_s(environ["SLURM_JOB_ID"])
+    left = _time_left_s(own_job_id(environ))
     delay, allowed = time_limit
     if left is None or left > delay + _TIME_LIMIT_MARGIN_S:
         return None
-    path = timeouts_file(directory, idx)
     count = int(path.read_text() or 0) if path.exists() else 0
     if count >= allowed:
         return (
-            f"SLURM job {environ['SLURM_JOB_ID']} reached its time limit (timeout_min) and was "
-            f"requeued {count} time(s) after one already (hydra.launcher.max_num_timeout={allowed})"
+            f"SLURM job {own_job_id(environ)} reached its time limit (timeout_min) with no requeue "
+            f"left: it was requeued at its time limit {count} time(s) already "
+            f"(hydra.launcher.max_num_timeout={allowed})"
         )
     write_private(path, str(count + 1).encode())
     return None
+
+
+def own_job_id(environ: Mapping[str, str]) -> str:
+    """This job's id as SLURM's commands take it: `<array id>_<task id>` for a job of an array.
+    The raw SLURM_JOB_ID of an array's last job is the array's own id, which squeue, scontrol
+    and scancel read as every job of the array."""
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else environ["SLURM_JOB_ID"]
 
 
 def _time_left_s(job_id: str) -> Optional[float]:
@@ -168,16 +193,10 @@ def _time_left_s(job_id: str) -> Optional[float]:
             capture_output=True,
             text=True,
             timeout=60,
-        ).stdout.strip()
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None
-    if not shown or shown in ("UNLIMITED", "NOT_SET", "INVALID"):
-        return None
-    days, _, clock = shown.rpartition("-")
-    parts = [int(p) for p in clock.split(":")]
-    while len(parts) < 3:
-        parts.insert(0, 0)
-    return (int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+    return duration_s(shown[0]) if shown else None
 
 
 if __name__ == "__main__":

@@ -3,20 +3,21 @@ and the torchrun launcher's (checked by `_launcher.settings`, as for `hydra/laun
 
 hydra-submitit-launcher's names and meanings, so a `submitit_slurm` config keeps working:
 `timeout_min` is `--time`, `mem_gb` is `--mem=<n>G`, `additional_parameters` are more
-`--key=value` directives, and so on. Every value becomes one `#SBATCH` line, which SLURM
-reads as one option: a value with a line break in it is refused (it would add directives).
+`--key=value` directives (True: a bare `--key`; None or False: none), and so on. Every value
+becomes one `#SBATCH` line, shell-quoted as submitit writes it, which SLURM reads as one
+option: a value with a line break in it is refused (it would add directives).
 """
 
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
 from .._launcher.settings import resolve_settings
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
-from ..config import SLURM_KEYS
+from ..config import SLURM_KEYS, TorchrunSlurmLauncherConf
 
 # the rendezvous endpoint of a multi-node job until a node knows it (`_submit.node`)
 FIRST_NODE_ENDPOINT = "first-node-of-the-job:0"
@@ -52,11 +53,22 @@ _SIMPLE = {
 }
 
 
+# hydra-submitit-launcher's keys that this launcher has not: what a user does instead
+_SUBMITIT_ONLY = {
+    "tasks_per_node": "drop it: one task per node runs the job's agent, which starts "
+    "hydra.launcher.nproc_per_node ranks (as torchrun does)",
+    "submitit_folder": "drop it: the launcher's files lie in <sweep dir>/.slurm",
+    "stderr_to_stdout": "drop it: each job's output file (<sweep dir>/.slurm/job<N>.<id>.out) holds "
+    "stdout and stderr",
+}
+
+
 @dataclass(frozen=True)
 class SlurmOptions:
-    """One job's SLURM side: its sbatch directives (without the array), and what runs around srun."""
+    """One job's SLURM side: its sbatch directives (without the array; a value None: a bare
+    flag), and what runs around srun."""
 
-    directives: Tuple[Tuple[str, str], ...]
+    directives: Tuple[Tuple[str, Optional[str]], ...]
     nodes: int
     setup: Tuple[str, ...]
     srun_args: Tuple[str, ...]
@@ -87,6 +99,7 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
                 f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm: SLURM places every job "
                 "(hydra.launcher.nodes sets its node count; its nodes meet on its first node)"
             )
+    _refuse_unknown(raw)
     raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
     if options.nodes > 1:
         raw.update(rdzv_backend="c10d", rdzv_endpoint=FIRST_NODE_ENDPOINT)
@@ -97,6 +110,25 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
             raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
         raise
     return settings, options
+
+
+def _refuse_unknown(raw: Dict[str, Any]) -> None:
+    """A key that is none of hydra/launcher=torchrun_slurm's: refused naming this launcher and
+    its keys (submitit's own keys: what to do instead)."""
+    known = sorted(f.name for f in fields(TorchrunSlurmLauncherConf) if not f.name.startswith("_"))
+    unknown = sorted(set(raw) - set(known))
+    if not unknown:
+        return
+    key = unknown[0]
+    instead = _SUBMITIT_ONLY.get(key)
+    if instead is not None:
+        raise LauncherConfigError(
+            f"hydra.launcher.{key} (hydra-submitit-launcher's) is not a key of "
+            f"hydra/launcher=torchrun_slurm: {instead}"
+        )
+    raise LauncherConfigError(
+        f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm (keys: {', '.join(known)})"
+    )
 
 
 def _int(key: str, value: Any, minimum: int) -> int:
@@ -118,7 +150,7 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
     """The SLURM keys of one job, checked, as sbatch directives."""
     nodes = _int("nodes", slurm.get("nodes", 1), 1)
     timeout_min = _int("timeout_min", slurm.get("timeout_min", 60), 1)
-    directives: List[Tuple[str, str]] = [("job-name", _text("name", slurm.get("name") or "hydra"))]
+    directives: List[Tuple[str, Optional[str]]] = [("job-name", _text("name", slurm.get("name") or "hydra"))]
     directives += [("nodes", str(nodes)), ("ntasks-per-node", "1"), ("time", str(timeout_min))]
     for key, option in _SIMPLE.items():
         value = slurm.get(key)
@@ -139,9 +171,10 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
                 f"hydra.launcher.additional_parameters.{key} is set by the launcher itself "
                 f"(--{option}); use hydra.launcher.nodes, timeout_min, signal_delay_s instead"
             )
-        directives.append(
-            (_text(f"additional_parameters.{key}", option), _text(f"additional_parameters.{key}", value))
-        )
+        if value is None or value is False:  # as submitit: no directive
+            continue
+        flag = _text(f"additional_parameters.{key}", option)
+        directives.append((flag, None if value is True else _text(f"additional_parameters.{key}", value)))
     setup = slurm.get("setup") or []
     srun_args = slurm.get("srun_args") or []
     for key, lines in (("setup", setup), ("srun_args", srun_args)):
@@ -150,6 +183,12 @@ def slurm_options(slurm: Dict[str, Any]) -> SlurmOptions:
         for line in lines:
             _text(key, line)
     signal_delay_s = _int("signal_delay_s", slurm.get("signal_delay_s", 120), 0)
+    if signal_delay_s >= timeout_min * 60:  # SLURM would send the stop notice as the job starts
+        raise LauncherConfigError(
+            f"hydra.launcher.signal_delay_s={signal_delay_s} is invalid with timeout_min={timeout_min}: "
+            f"the stop notice comes signal_delay_s before the time limit, so it must be below "
+            f"{timeout_min * 60} (or 0: no notice)"
+        )
     return SlurmOptions(
         directives=tuple(directives),
         nodes=nodes,

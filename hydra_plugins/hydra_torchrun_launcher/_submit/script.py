@@ -3,14 +3,17 @@
 One task per node (`srun --ntasks-per-node=1`), each running `_submit.node`, which runs
 the job's own process there (`_job.process`: Hydra's run_job on node 0, torch's elastic
 agent on every node). The script holds no config value in a shell line: the directives
-are `#SBATCH` comments SLURM parses, the paths are quoted, and only `setup` (shell lines
-the user wrote for this purpose, as with submitit) is shell.
+are `#SBATCH` comments SLURM parses, their values shell-quoted as submitit writes them
+(sbatch reads them with the shell's quoting: a space, a quote or a `#` stays in the value),
+the paths are absolute (a `setup` line or `--chdir` that changes the working dir changes
+nothing) and quoted, and only `setup` (shell lines the user wrote for this purpose, as
+with submitit) is shell.
 """
 
 import shlex
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 from .files import output_pattern
 from .options import SlurmOptions
@@ -26,13 +29,15 @@ def array_spec(jobs: List[int], parallelism: int) -> str:
 
 def batch_script(options: SlurmOptions, jobs: List[int], directory: Path, sweep_dir: str) -> str:
     """The script: directives, the user's `setup`, then srun of the node entry."""
+    directory = directory.absolute()
+    sweep_dir = str(Path(sweep_dir).absolute())
     listed = ", ".join(f"#{idx}" for idx in jobs)
-    directives = [
+    directives: List[Tuple[str, Optional[str]]] = [
         *options.directives,
         ("array", array_spec(jobs, options.array_parallelism)),
         ("output", output_pattern(directory)),
         ("open-mode", "append"),
-        ("requeue", ""),
+        ("requeue", None),
     ]
     if options.signal_delay_s > 0:
         directives.append(("signal", f"USR2@{options.signal_delay_s}"))
@@ -54,9 +59,14 @@ def batch_script(options: SlurmOptions, jobs: List[int], directory: Path, sweep_
     lines = [
         "#!/bin/bash",
         f"# hydra-torchrun-launcher: job(s) {listed} of the sweep in {sweep_dir}".replace("\n", " "),
-        *(f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}" for key, value in directives),
+        *(_directive(key, value) for key, value in directives),
         *options.setup,
         f"exec {shlex.join(srun)}",
         "",
     ]
     return "\n".join(lines)
+
+
+def _directive(key: str, value: Optional[str]) -> str:
+    """`#SBATCH --key=value`, the value quoted as submitit quotes it; None: a bare flag."""
+    return f"#SBATCH --{key}" if value is None else f"#SBATCH --{key}={shlex.quote(value)}"

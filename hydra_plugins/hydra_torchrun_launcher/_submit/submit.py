@@ -46,18 +46,18 @@ from . import commands
 from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
     failure_file,
+    latest_runs,
     output_file,
-    ranks_ran_file,
     read_private,
     read_submitted,
     request_file,
     requeued_file,
     result_file,
     slurm_dir,
-    timeouts_file,
     write_private,
     write_submitted,
 )
+from .never_starts import never_starts
 from .options import SlurmOptions, split_launcher_config
 from .script import batch_script
 
@@ -106,9 +106,11 @@ def launch(
         )
     report: SweepReport = launcher.report
     resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    # where the ranks of an unfinished job ran before: it continues there (its node decides
-    # resumed(), from the ranks' mark in the job dir)
+    # where the ranks of an unfinished job ran before (a launcher stopped or killed, its jobs
+    # cancelled): it continues there, resumed() True, as under the local launcher
     in_place = continuing_in_place(sweep_dir, plans, resumed)
+    for plan in plans:
+        plan.resumed = plan.idx in in_place
     log_resumption(sweep_dir, resumed, in_place)
     directory = slurm_dir(sweep_dir)
     to_run = [plan for plan in plans if plan.idx not in resumed.completed]
@@ -159,6 +161,18 @@ class _Sweep:
         self.ran: Set[int] = set()
         # what each job's requeue file said when last read
         self.requeues: Dict[int, str] = {}
+        # each job's overrides: the JobReturn of a job that ended without a result names them
+        self.overrides: Dict[int, List[str]] = {}
+        # each job's latest run whose failure SLURM superseded by requeueing the job itself
+        self.superseded: Dict[int, int] = {}
+        # when a job's result is looked at again, where scontrol could not say if it is final
+        self.judge_after: Dict[int, float] = {}
+        # each job's node count (a pending reason may say it is more than its partition has)
+        self.nodes: Dict[int, int] = {}
+
+    def _array(self, idx: int) -> str:
+        """The SLURM array the job was submitted in: its run's files are named by it."""
+        return self.slurm_ids[idx].split("_")[0]
 
     def stop(self, signum: int, frame: Any) -> None:
         if self.stop_signum is None:
@@ -182,7 +196,11 @@ class _Sweep:
         sweep_dir = str(launcher.config.hydra.sweep.dir) if launcher.config is not None else ""
         fresh: List[JobPlan] = []
         stale: List[str] = []
+        gone: List[str] = []
+        alive = self._still_there()
         for plan in plans:
+            self.overrides[plan.idx] = list(plan.overrides)
+            self.nodes[plan.idx] = options[plan.idx].nodes
             write_rerun_script(plan, configs[plan.idx], None)
             known = self.submitted.get(str(plan.idx))
             if (
@@ -190,6 +208,10 @@ class _Sweep:
                 and known.get("fingerprint") == plan.fingerprint
                 and plan.settings.conf.resume is not False
             ):
+                if alive is not None and known["slurm_id"] not in alive:
+                    gone.append(known["slurm_id"])  # cancelled or lost: it runs again
+                    fresh.append(plan)
+                    continue
                 self.slurm_ids[plan.idx] = known["slurm_id"]
                 self.report.started(plan.idx)
                 log.info(
@@ -205,19 +227,20 @@ class _Sweep:
             log.info(
                 f"Cancelled SLURM job(s) {', '.join(stale)} of an earlier run of another sweep{_said(said)}"
             )
+        if gone:
+            log.info(
+                f"SLURM job(s) {', '.join(gone)} of an earlier run ended without a result: submitted again"
+            )
         if fresh:
-            log.info(f"Submitting {len(fresh)} jobs to SLURM into {shown_path(sweep_dir)}")
-        groups: Dict[SlurmOptions, List[JobPlan]] = {}
+            jobs = "1 job" if len(fresh) == 1 else f"{len(fresh)} jobs"
+            log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
         for plan in fresh:
-            groups.setdefault(options[plan.idx], []).append(plan)
-            for stale_file in (result_file, failure_file, ranks_ran_file, requeued_file, timeouts_file):
-                stale_file(self.directory, plan.idx).unlink(missing_ok=True)
             if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
                 (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
             write_private(
                 request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
             )
-        for slurm, group in groups.items():
+        for slurm, group in arrays(fresh, options).items():
             self._check_stop()
             jobs = [plan.idx for plan in group]
             script = self.directory / f"jobs{jobs[0]}.sbatch"
@@ -237,6 +260,26 @@ class _Sweep:
                 self.report.started(plan.idx)  # until SLURM starts it, its time counts from here
             write_submitted(self.directory, self.submitted)
 
+    def _still_there(self) -> Optional[Set[str]]:
+        """The recorded jobs (of an earlier run of the launcher) that SLURM still runs or
+        queues, or that left a result; None when squeue cannot say (all are taken back)."""
+        recorded = {str(job["slurm_id"]) for job in self.submitted.values() if "slurm_id" in job}
+        if not recorded:
+            return set()
+        try:
+            states = commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
+        except SlurmCommandError:
+            return None
+        if states is None:
+            return None
+        runs = latest_runs(self.directory)
+        return {
+            slurm_id
+            for slurm_id in recorded
+            if (slurm_id in states and states[slurm_id].state not in ENDED_STATES)
+            or (int(slurm_id.split("_")[1]), slurm_id.split("_")[0], "result") in runs
+        }
+
     # -- waiting --------------------------------------------------------------------------
 
     def wait(self, plans: List[JobPlan]) -> Dict[int, JobReturn]:
@@ -246,9 +289,11 @@ class _Sweep:
         next_poll = time.monotonic()
         while self.slurm_ids:
             self._check_stop()
+            runs = latest_runs(self.directory)
             for idx in list(self.slurm_ids):
-                if result_file(self.directory, idx).exists():
-                    self._collect(by_idx[idx])
+                attempt = self._new_run(runs, idx, "result")
+                if attempt is not None:
+                    self._judge(by_idx[idx], attempt)
                 else:
                     self._note_requeue(idx)
             if self.slurm_ids and time.monotonic() >= next_poll:
@@ -259,9 +304,58 @@ class _Sweep:
                 time.sleep(RESULT_CHECK_S)
         return {idx: self.returns[idx] for idx in by_idx}
 
+    def _new_run(self, runs: Dict[Tuple[int, str, str], int], idx: int, kind: str) -> Optional[int]:
+        """The latest run of the job that wrote a `kind` file, unless SLURM ran it again since."""
+        attempt = runs.get((idx, self._array(idx), kind))
+        return attempt if attempt is not None and attempt > self.superseded.get(idx, -1) else None
+
+    def _judge(self, plan: JobPlan, attempt: int) -> None:
+        """The result a run of the job wrote: the job's, unless it failed and SLURM requeued
+        the job itself (a node failure, `scontrol requeue`, a preemption): then the job runs
+        again, continuing in its job dir, and the launcher follows it."""
+        idx = plan.idx
+        if time.monotonic() < self.judge_after.get(idx, 0.0):
+            return
+        path = result_file(self.directory, idx, self._array(idx), attempt)
+        job_return = self._read(path)
+        if job_return.status == JobStatus.COMPLETED or self._run_is_over(idx, attempt):
+            self._collect(plan, job_return)
+
+    def _run_is_over(self, idx: int, attempt: int) -> bool:
+        """Whether run `attempt` of the job is its last: SLURM did not requeue the job after it.
+        SLURM counts a requeue (Restarts) before it stops the run's processes, so a run that
+        failed because SLURM stopped it to requeue it shows a higher count already."""
+        slurm_id = self.slurm_ids[idx]
+        try:
+            found = commands.job_run(slurm_id)
+        except SlurmCommandError as e:  # the result is judged again a little later
+            log.warning(f"scontrol show job {slurm_id}: {e}; asking again later")
+            self.judge_after[idx] = time.monotonic() + POLL_CONFIRM_S
+            return False
+        if found is None:  # SLURM no longer knows the job: it ended
+            return True
+        state, restarts = found
+        if restarts <= attempt:
+            return True
+        self.superseded[idx] = attempt
+        self.shown.pop(idx, None)  # its next state is news
+        self.ran.add(idx)
+        log.info(
+            f"job #{idx} (SLURM job {slurm_id}): SLURM requeued it (restart {restarts}, now {state.lower()}) "
+            "as its run was stopped: it runs again, continuing in its job dir"
+        )
+        return False
+
+    def _read(self, path: Path) -> JobReturn:
+        try:
+            job_return: JobReturn = cloudpickle.loads(read_private(path))
+        except Exception as e:  # a result that cannot be read is the job's failure, said so
+            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
+        return job_return
+
     def _note_requeue(self, idx: int) -> None:
         """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
-        path = requeued_file(self.directory, idx)
+        path = requeued_file(self.directory, idx, self._array(idx))
         try:
             count = path.read_text().strip()
         except FileNotFoundError:
@@ -288,8 +382,9 @@ class _Sweep:
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                if result_file(self.directory, idx).exists():
-                    self._collect(by_idx[idx])
+                attempt = self._new_run(latest_runs(self.directory), idx, "result")
+                if attempt is not None:
+                    self._judge(by_idx[idx], attempt)
                 elif idx in self.ending:
                     if state is None:
                         state = commands.sacct(slurm_id) or JobState(
@@ -307,24 +402,38 @@ class _Sweep:
             self.shown[idx] = now
             title = f"job #{idx} (SLURM job {slurm_id})"
             if state.state == "RUNNING":
-                self.report.started(idx)  # its time counts from here
+                # its time counts from when SLURM started this run (the launcher sees it later)
+                ran_s = state.elapsed_s or 0.0
+                self.report.started(idx, at=time.monotonic() - ran_s)
                 again = idx in self.ran  # a run of it ended before: SLURM requeued it
                 self.ran.add(idx)
                 log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
             elif state.state == "PENDING":
+                if self._never_starts(idx, slurm_id, state):
+                    continue
                 reason = f" ({state.reason})" if state.reason not in ("", "None") else ""
                 log.info(f"{title} is {'requeued: pending' if idx in self.ran else 'pending'}{reason}")
             else:
                 log.info(f"{title} is {state.state.lower()}")
 
-    def _collect(self, plan: JobPlan, path: Optional[Path] = None) -> None:
-        """The job's result, as its node 0 wrote it (or `path`, a node's failure)."""
+    def _never_starts(self, idx: int, slurm_id: str, state: JobState) -> bool:
+        """A job pending for a reason SLURM never lifts for it: cancelled, and FAILED with
+        SLURM's reason (instead of a sweep that waits for ever)."""
+        why = never_starts(
+            state.reason, self.nodes.get(idx, 1), lambda: commands.partition_nodes(state.partition)
+        )
+        if why is None:
+            return False
+        said = commands.scancel([slurm_id])
+        message = (
+            f"SLURM job {slurm_id} can never start ({state.reason}): {why}; it was cancelled{_said(said)}"
+        )
+        self._end(idx, _failure(message), FAILED)
+        return True
+
+    def _collect(self, plan: JobPlan, job_return: JobReturn) -> None:
+        """The job's result, as its node 0 wrote it (or a node's failure)."""
         idx = plan.idx
-        path = path or result_file(self.directory, idx)
-        try:
-            job_return: JobReturn = cloudpickle.loads(read_private(path))
-        except Exception as e:  # a result that cannot be read is the job's failure, said so
-            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
         value = job_return._return_value
         if job_return.status == JobStatus.COMPLETED:
             status = COMPLETED
@@ -339,23 +448,27 @@ class _Sweep:
 
     def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is."""
-        failed_first = failure_file(self.directory, plan.idx)
-        if failed_first.exists():  # a node recorded why before SLURM ended the job
-            self._collect(plan, failed_first)
+        attempt = self._new_run(latest_runs(self.directory), plan.idx, "failure")
+        if attempt is not None:  # a node of its last run recorded why before SLURM ended the job
+            failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx), attempt)
+            self._collect(plan, self._read(failed_first))
             return
         out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
-        reason = f" ({state.reason})" if state.reason and state.reason != "None" else ""
+        started = plan.idx in self.ran or out.exists()
+        # a job cancelled while pending keeps the reason it was pending for: not why it ended
+        shown = state.reason and state.reason != "None" and (started or state.state != "CANCELLED")
+        reason = f" ({state.reason})" if shown else ""
+        where = f"its output: {shown_path(str(out))}" if out.exists() else "it never started (no output)"
         self._end(
             plan.idx,
-            _failure(
-                f"SLURM job {slurm_id} ended {state.state}{reason} without a result; "
-                f"its output: {shown_path(str(out))}"
-            ),
+            _failure(f"SLURM job {slurm_id} ended {state.state}{reason} without a result; {where}"),
             FAILED,
         )
 
     def _end(self, idx: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
         """The job's outcome into the record (and its line); it is no longer in flight."""
+        if job_return.overrides is None:  # SLURM's failure, not one the job returned
+            job_return.overrides = self.overrides.get(idx)
         self.report.ended(idx, job_return, status, ranks_ran)
         self.returns[idx] = job_return
         self.ending.discard(idx)
@@ -406,22 +519,29 @@ def _request(
     )
 
 
-def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
-    """Every job's batch script, as it would be submitted; nothing is."""
-    directory = sweep_dir / ".slurm"
-    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job; nothing is submitted"]
+def arrays(plans: List[JobPlan], options: Dict[int, SlurmOptions]) -> Dict[SlurmOptions, List[JobPlan]]:
+    """The jobs grouped as they are submitted: one SLURM job array per set of sbatch options."""
+    groups: Dict[SlurmOptions, List[JobPlan]] = {}
     for plan in plans:
-        conf = plan.settings.conf
+        groups.setdefault(options[plan.idx], []).append(plan)
+    return groups
+
+
+def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
+    """Each job, and the batch script of each array of them, as it would be submitted; nothing is."""
+    directory = sweep_dir / ".slurm"
+    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job of a job array; nothing is submitted"]
+    for slurm, group in arrays(plans, options).items():
+        for plan in group:
+            conf = plan.settings.conf
+            lines += [
+                f"\t#{plan.idx} : {' '.join(plan.overrides)}",
+                f"\t\tjob dir: {plan.output_dir}",
+                f"\t\tranks:   {plan.nproc} per node x {slurm.nodes} node(s), {conf.start_method}",
+            ]
+        jobs = [plan.idx for plan in group]
         lines += [
-            f"\t#{plan.idx} : {' '.join(plan.overrides)}",
-            f"\t\tjob dir: {plan.output_dir}",
-            f"\t\tranks:   {plan.nproc} per node x {options[plan.idx].nodes} node(s), {conf.start_method}",
-            "\t\tsbatch script:",
-            *(
-                f"\t\t\t{line}"
-                for line in batch_script(
-                    options[plan.idx], [plan.idx], directory, str(sweep_dir)
-                ).splitlines()
-            ),
+            f"\tsbatch script of {', '.join(f'#{idx}' for idx in jobs)}:",
+            *(f"\t\t{line}" for line in batch_script(slurm, jobs, directory, str(sweep_dir)).splitlines()),
         ]
     return "\n".join(lines)
