@@ -11,6 +11,7 @@ field of the app and a line here.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def _under_torchrun(app_dir: Path, out: Path) -> Dict[Tuple[int, int], Dict[str,
         [TORCHRUN, "--standalone", "--nproc-per-node=2", "app.py", f"out={out}", "x=1", "hydra.run.dir=run"],
         cwd=app_dir,
         env=dict(_env(), TMPDIR=str(app_dir.parent / "tmp")),
+        preexec_fn=_signals_as_in_a_terminal,
         capture_output=True,
         text=True,
         timeout=300,
@@ -91,6 +93,7 @@ def _under_the_launcher(app_dir: Path, out: Path, *args: str) -> Dict[Tuple[int,
         [sys.executable, "app.py", *launch, f"out={out}", "x=1,2", *args],
         cwd=app_dir,
         env=dict(_env(), TMPDIR=str(tmp)),
+        preexec_fn=_signals_as_in_a_terminal,
         capture_output=True,
         text=True,
         timeout=300,
@@ -99,6 +102,14 @@ def _under_the_launcher(app_dir: Path, out: Path, *args: str) -> Dict[Tuple[int,
     # no temp dir or file is left per job (multiprocessing's pymp-* dirs, sockets, payloads)
     assert not list(tmp.iterdir()), list(tmp.iterdir())
     return _records(out)
+
+
+def _signals_as_in_a_terminal() -> None:
+    """The dispositions a user's shell gives a command: a suite run as a background job (or
+    under nohup) has some of torch's signals ignored, which the launcher keeps ignored in its
+    ranks and torchrun does not."""
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _env() -> Dict[str, str]:
