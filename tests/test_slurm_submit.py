@@ -341,7 +341,11 @@ def test_a_job_at_its_time_limit_stops_and_fails_when_no_requeue_is_left(
     assert job["status"] == "FAILED", output
     assert "reached its time limit" in job["error"] and "max_num_timeout=0" in job["error"], job["error"]
     out = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
-    assert "rank 0: stopping after step" in out and "is requeued" not in out, out
+    assert "is requeued" not in out, out
+    # SLURM sends the notice up to a minute early (its event resolution): on a busy machine it
+    # may come before the ranks run; once they run, they stop at a step boundary
+    if "rank 0 running" in out:
+        assert "rank 0: stopping after step" in out, out
     _wait_for(lambda: not _queue(cluster), "empty queue", 30)
 
 
@@ -572,10 +576,11 @@ def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     launcher = _start(cluster, app_dir, "steps=10", "x=1")
     try:
         ids = _submitted(app_dir, 1)
-        # as soon as srun has started the node's task (step 0; a signal before it reaches no
-        # process): its interpreter is still starting
-        steps = ["squeue", "--noheader", "--steps", f"--jobs={ids[0]}", "--format=%i"]
-        _wait_for(lambda: f"{ids[0]}.0" in cluster.run(steps).stdout.split(), "job 0's step 0")
+        # as soon as the node's process holds the notice (its first statement), while its
+        # imports run; before that, the interpreter's own start-up, the default action would
+        # still end it (a window of milliseconds this launcher cannot close: see the note of
+        # `_submit.node`)
+        _wait_for(_a_node_holds_usr2, "a node process holding SIGUSR2")
         signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
         assert signalled.returncode == 0, signalled.stderr
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
@@ -586,6 +591,22 @@ def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     assert job["status"] == "COMPLETED" and job["return_value"]["x"] == 1, output
     text = next((app_dir / "sweep" / ".slurm").glob("job0.*.out")).read_text()
     assert "User defined signal 2" not in text and "is requeued" in text, text
+
+
+def _a_node_holds_usr2() -> bool:
+    """Whether a node process of a submitted job runs with SIGUSR2 blocked (its SigBlk)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if b"hydra_torchrun_launcher._submit.node" not in cmdline:
+            continue
+        blocked = next((line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), "0")
+        if int(blocked, 16) & (1 << (signal.SIGUSR2 - 1)):
+            return True
+    return False
 
 
 def test_jobs_cancelled_while_their_launcher_was_dead_run_again_with_the_same_command(
