@@ -192,6 +192,13 @@ def _submitted(app_dir: Path, count: int) -> List[str]:
     return _wait_for(found, f"{count} submitted jobs in {path}")
 
 
+def _once_running(app_dir: Path, ids: List[str], job: int, x: int) -> Path:
+    """Job `job`'s SLURM output file, once its rank 0 has taken its first step (of `x`)."""
+    out = app_dir / "sweep" / ".slurm" / f"job{job}.{ids[job].split('_')[0]}.out"
+    _wait_for(lambda: out.exists() and f"rank 0 running x={x}" in out.read_text(), f"job {job}'s first steps")
+    return out
+
+
 def _running(cluster: SlurmCluster, count: int) -> List[str]:
     return _wait_for(
         lambda: len([line for line in _queue(cluster) if line.endswith("RUNNING")]) == count,
@@ -223,8 +230,7 @@ def test_a_preempted_job_is_requeued_resumes_and_the_sweep_completes(
     )
     try:
         ids = _submitted(app_dir, 2)
-        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
-        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        out = _once_running(app_dir, ids, 0, x=1)
         signalled = cluster.run(["scancel", "--signal=USR2", ids[0]])
         assert signalled.returncode == 0, signalled.stderr
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
@@ -400,8 +406,7 @@ def test_a_stop_signal_to_the_last_job_of_an_array_requeues_it_and_it_resumes(
     launcher = _start(cluster, app_dir, "steps=40", "x=1,2")
     try:
         ids = _submitted(app_dir, 2)
-        out = app_dir / "sweep" / ".slurm" / f"job1.{ids[1].split('_')[0]}.out"
-        _wait_for(lambda: out.exists() and "rank 0 running x=2" in out.read_text(), "job 1's first steps")
+        out = _once_running(app_dir, ids, 1, x=2)
         signalled = cluster.run(["scancel", "--signal=USR2", ids[1]])
         assert signalled.returncode == 0, signalled.stderr
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
@@ -481,8 +486,7 @@ def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs
     launcher = _start(cluster, app_dir, "steps=50", "x=1")
     try:
         ids = _submitted(app_dir, 1)
-        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
-        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        _once_running(app_dir, ids, 0, x=1)
         assert (app_dir / "sweep" / "0" / ".hydra" / "ranks_started").exists()
         os.killpg(launcher.pid, signal.SIGINT)
         output, _ = launcher.communicate(timeout=60)
@@ -522,8 +526,7 @@ def _requeued_by_slurm(cluster: SlurmCluster, app_dir: Path, requeue) -> None:  
     )
     try:
         ids = _submitted(app_dir, 2)
-        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
-        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        _once_running(app_dir, ids, 0, x=1)
         nodes = cluster.run(["squeue", "--noheader", f"--jobs={ids[0]}", "--format=%N"]).stdout.strip()
         requeue(ids[0], nodes)
         output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
@@ -639,8 +642,7 @@ def test_a_jobs_time_counts_from_when_slurm_started_it_also_after_the_launcher_c
     launcher = _start(cluster, app_dir, "steps=100", "step_s=0.2", "x=1")
     try:
         ids = _submitted(app_dir, 1)
-        out = app_dir / "sweep" / ".slurm" / f"job0.{ids[0].split('_')[0]}.out"
-        _wait_for(lambda: out.exists() and "rank 0 running x=1" in out.read_text(), "job 0's first steps")
+        _once_running(app_dir, ids, 0, x=1)
         launcher.kill()
         launcher.communicate()
     finally:

@@ -379,10 +379,11 @@ class _Sweep:
             return
         if states is None:
             return
+        runs = latest_runs(self.directory)  # one listing of the dir for the whole poll
         for idx, slurm_id in list(self.slurm_ids.items()):
             state = states.get(slurm_id)
             if state is None or state.state in ENDED_STATES:
-                attempt = self._new_run(latest_runs(self.directory), idx, "result")
+                attempt = self._new_run(runs, idx, "result")
                 if attempt is not None:
                     self._judge(by_idx[idx], attempt)
                 elif idx in self.ending:
@@ -390,7 +391,7 @@ class _Sweep:
                         state = commands.sacct(slurm_id) or JobState(
                             "UNKNOWN", "SLURM no longer shows it", ""
                         )
-                    self._lost(by_idx[idx], slurm_id, state)
+                    self._lost(by_idx[idx], slurm_id, state, runs)
                 else:
                     self.ending.add(idx)
                 continue
@@ -446,9 +447,12 @@ class _Sweep:
         ranks_ran = (plan.output_dir / RANKS_STARTED_FILE).exists()
         self._end(idx, job_return, status, ranks_ran)
 
-    def _lost(self, plan: JobPlan, slurm_id: str, state: JobState) -> None:
-        """A job that ended without a result: SLURM's words for it, and where its output is."""
-        attempt = self._new_run(latest_runs(self.directory), plan.idx, "failure")
+    def _lost(
+        self, plan: JobPlan, slurm_id: str, state: JobState, runs: Dict[Tuple[int, str, str], int]
+    ) -> None:
+        """A job that ended without a result: SLURM's words for it, and where its output is
+        (`runs`: the poll's listing of the runs' files)."""
+        attempt = self._new_run(runs, plan.idx, "failure")
         if attempt is not None:  # a node of its last run recorded why before SLURM ended the job
             failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx), attempt)
             self._collect(plan, self._read(failed_first))
