@@ -85,6 +85,8 @@ def test_pet_keys_are_the_launcher_keys_torchrun_reads_from_pet_variables():
     from hydra_plugins.hydra_torchrun_launcher._job.launch_config import _FIELD_OF_KEY, launch_config_fields
 
     newer = {key for key, field_name in _FIELD_OF_KEY.items() if field_name not in launch_config_fields()}
+    # and the flags a newer torchrun than the installed one reads from PET_ (from 2.15)
+    newer |= {"log_line_prefix_template"}
     assert read_from_pet <= set(PET_KEYS) <= read_from_pet | newer, set(PET_KEYS) ^ read_from_pet
     assert set(TORCHRUN_FLAGS) <= {f.name for f in dataclasses.fields(TorchrunLauncherConf)}
 
@@ -135,11 +137,14 @@ def test_variables_win_over_the_plugins_defaults_of_every_kind():
         "PET_DUPLICATE_STDOUT_FILTERS": "loss,step",
         "PET_SHUTDOWN_TIMEOUT": "9",
         "PET_TEE": "0",
+        # torchrun reads it from 2.15; taken on every torch
+        "PET_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] ",
     }
     conf = resolve_cluster(settings(), environ)[0].conf
     assert (conf.monitor_interval, conf.start_method, conf.standalone) == (2.5, "spawn", True)
     assert (conf.virtual_local_rank, conf.duplicate_stdout_filters) == (False, ["loss", "step"])
     assert (conf.shutdown_timeout, conf.tee) == (9, "0")
+    assert conf.log_line_prefix_template == "[${rank}] "
 
 
 def test_empty_variables_count_as_unset():

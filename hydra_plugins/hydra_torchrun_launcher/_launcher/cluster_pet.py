@@ -23,10 +23,11 @@ from .cluster_layout import Detection
 from .settings import checked_settings
 
 # torchrun flags that torchrun takes from its command line only (no PET_ variable): the
-# script and its arguments, and flags declared without torch's `env` action
-_COMMAND_LINE_ONLY = frozenset(
-    {"training_script", "training_script_args", "logs_specs", "numa_binding", "log_line_prefix_template"}
-)
+# script and its arguments, and flags declared without torch's `env` action.
+# `log_line_prefix_template` is not one: torchrun reads PET_LOG_LINE_PREFIX_TEMPLATE from 2.15
+# (2.14's flag had no variable, older torchrun no flag), and a pod's variable is taken on every
+# torch, as the newest torchrun takes it
+_COMMAND_LINE_ONLY = frozenset({"training_script", "training_script_args", "logs_specs", "numa_binding"})
 # launcher keys torchrun reads from PET_<KEY> (tests/test_cluster_environments.py checks
 # this against the installed torchrun)
 PET_KEYS: Tuple[str, ...] = tuple(key for key in TORCHRUN_FLAGS if key not in _COMMAND_LINE_ONLY)
