@@ -35,13 +35,13 @@ def main(cfg: DictConfig) -> dict:
     import rank_probe
     import torch
     import torch.distributed as dist
+    from held_gather import all_gather_held
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    xs = [None] * dist.get_world_size()
-    dist.all_gather_object(xs, cfg.x)
+    xs = all_gather_held(cfg.x)  # all_gather_object, safe to destroy after on every torch
     dist.destroy_process_group()
     host = socket.gethostname()
     print(f"rank {os.environ.get('RANK')}/{os.environ.get('WORLD_SIZE')} on {host}", flush=True)

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from held_gather import all_gather_held
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     host = socket.gethostname()
-    world = [None] * dist.get_world_size()
-    dist.all_gather_object(world, (dist.get_rank(), host))
+    world = all_gather_held((dist.get_rank(), host))  # all_gather_object, safe to destroy after
     dist.destroy_process_group()
     print(f"rank {os.environ['RANK']}/{os.environ['WORLD_SIZE']} on {host}", flush=True)
     facts = {
