@@ -108,7 +108,10 @@ def run_tests(version: str, venv: Path, pytest_args: List[str], install_minutes:
     started = time.monotonic()
     command = [str(venv / "bin" / "python"), "-m", "pytest", f"--junitxml={report}", *pytest_args]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, cwd=REPO, check=False)
+    # as in an activated venv: the README's recipes run `python` and `torchrun` by name
+    path = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = dict(os.environ, VIRTUAL_ENV=str(venv), PATH=path)
+    subprocess.run(command, cwd=REPO, env=env, check=False)
     minutes = (time.monotonic() - started) / 60
     passed = failed = skipped = 0
     if report.exists():

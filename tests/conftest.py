@@ -23,6 +23,27 @@ _LONG_LIVED_HELPERS = (
 EXIT_WAIT_S = 15.0
 
 
+def _start_apps_as_from_a_terminal() -> None:
+    """Every app the suite starts gets a terminal's signal dispositions, however the suite runs.
+
+    A suite run as a shell's background job or under nohup has SIGINT/SIGQUIT (or SIGHUP)
+    ignored, and a child inherits an ignored signal: the launcher rightly keeps it ignored and
+    says so in a warning, which is not what a user typing the command sees. A handler that
+    does nothing keeps this process as deaf as it was started, and is reset to the default in
+    every program it starts. Tests of the ignored case set it themselves.
+    """
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, _deaf)
+
+
+def _deaf(signum: int, frame: Any) -> None:
+    """Ignore the signal here, unlike SIG_IGN not in the programs this process starts."""
+
+
+_start_apps_as_from_a_terminal()
+
+
 def _is_long_lived_helper(proc: psutil.Process) -> bool:
     if proc.pid in slurm_cluster.RUNNING_DAEMONS:
         return True  # a SLURM test cluster's daemon; its jobs' processes are checked

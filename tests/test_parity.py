@@ -11,13 +11,14 @@ field of the app and a line here.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
+
+from tests.conftest import as_from_a_terminal
 
 APP_DIR = Path(__file__).parent / "parity_app"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -76,7 +77,7 @@ def _under_torchrun(app_dir: Path, out: Path) -> Dict[Tuple[int, int], Dict[str,
         [TORCHRUN, "--standalone", "--nproc-per-node=2", "app.py", f"out={out}", "x=1", "hydra.run.dir=run"],
         cwd=app_dir,
         env=dict(_env(), TMPDIR=str(app_dir.parent / "tmp")),
-        preexec_fn=_signals_as_in_a_terminal,
+        preexec_fn=as_from_a_terminal,
         capture_output=True,
         text=True,
         timeout=300,
@@ -93,7 +94,7 @@ def _under_the_launcher(app_dir: Path, out: Path, *args: str) -> Dict[Tuple[int,
         [sys.executable, "app.py", *launch, f"out={out}", "x=1,2", *args],
         cwd=app_dir,
         env=dict(_env(), TMPDIR=str(tmp)),
-        preexec_fn=_signals_as_in_a_terminal,
+        preexec_fn=as_from_a_terminal,
         capture_output=True,
         text=True,
         timeout=300,
@@ -102,14 +103,6 @@ def _under_the_launcher(app_dir: Path, out: Path, *args: str) -> Dict[Tuple[int,
     # no temp dir or file is left per job (multiprocessing's pymp-* dirs, sockets, payloads)
     assert not list(tmp.iterdir()), list(tmp.iterdir())
     return _records(out)
-
-
-def _signals_as_in_a_terminal() -> None:
-    """The dispositions a user's shell gives a command: a suite run as a background job (or
-    under nohup) has some of torch's signals ignored, which the launcher keeps ignored in its
-    ranks and torchrun does not."""
-    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _env() -> Dict[str, str]:

@@ -21,6 +21,7 @@ import psutil
 import pytest
 from omegaconf import OmegaConf
 
+from hydra_plugins.hydra_torchrun_launcher._launcher.reproduce import _torchrun_flags
 from tests.conftest import assert_gone, wait_for
 
 CONSOLE_APP = Path(__file__).parent / "console_app"
@@ -526,13 +527,16 @@ def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(t
     (app_dir / "write.py").write_text(
         "import os, sys\nopen(f\"out_{os.environ['RANK']}.txt\", 'w').write(' '.join(sys.argv[1:]) + '\\n')\n"
     )
+    # flags of a newer torchrun are shown where the installed one has them, else said
+    shutdown = "--shutdown-timeout" in _torchrun_flags()
+    virtual = "--virtual-local-rank" in _torchrun_flags()
     job = [
         "-m",
         "hydra.sweep.dir=sweep",
         "world=1",
         "hydra.launcher.training_script=write.py",
         "hydra.launcher.shutdown_timeout=7",
-        "hydra.launcher.virtual_local_rank=true",
+        *(["hydra.launcher.virtual_local_rank=true"] if virtual else []),
         "hydra.launcher.dry_run=true",
     ]
     result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,x]")
@@ -541,7 +545,9 @@ def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(t
     job_dir = app_dir / "sweep" / "0"
     quoted = shlex.quote(str(job_dir))
     assert line.startswith(f"mkdir -p {quoted} && cd {quoted} && "), line
-    assert "--shutdown-timeout=7" in line and "--virtual-local-rank" in line and not cannot, line
+    assert ("--shutdown-timeout=7" in line) == shutdown and ("--virtual-local-rank" in line) == virtual, line
+    no_such = ["(it cannot express: --shutdown-timeout (this torch's torchrun has no such option))"]
+    assert cannot == ([] if shutdown else no_such), cannot
     run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (job_dir / "out_0.txt").read_text() == "--tag x\n"
@@ -549,9 +555,9 @@ def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(t
     # what a torchrun line cannot do is said, not left out
     result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,'{rank}']")
     _, cannot = _torchrun_line(result.stdout)
-    assert cannot == [
-        "(it cannot express: {rank}/{local_rank} in {rank} (replaced per rank by the launcher))"
-    ]
+    per_rank = "{rank}/{local_rank} in {rank} (replaced per rank by the launcher)"
+    older = "" if shutdown else "--shutdown-timeout (this torch's torchrun has no such option); "
+    assert cannot == [f"(it cannot express: {older}{per_rank})"], cannot
 
 
 def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path) -> None:
@@ -560,7 +566,11 @@ def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path)
     result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "world=1", prefix, "hydra.launcher.dry_run=true")
     assert result.returncode == 0, result.stdout
     line, cannot = _torchrun_line(result.stdout)
-    assert " --no-python env TAG=prefixed " in line and not cannot, line
+    assert " --no-python env TAG=prefixed " in line, line
+    # the launcher's shutdown_timeout (5 s) is not torchrun's default: a torchrun without
+    # the option cannot say it
+    no_such = "(it cannot express: --shutdown-timeout (this torch's torchrun has no such option))"
+    assert cannot == ([] if "--shutdown-timeout" in _torchrun_flags() else [no_such]), cannot
     run = subprocess.run(
         ["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )

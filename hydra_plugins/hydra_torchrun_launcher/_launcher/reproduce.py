@@ -141,7 +141,8 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
         if value is None:
             continue
         if known is not None and flag not in known:
-            missing.append(f"{flag} (this torch's torchrun has no such option)")
+            if _WITHOUT_THE_OPTION.get(flag) != value:
+                missing.append(f"{flag} (this torch's torchrun has no such option)")
         else:
             command.append(flag if value is True else f"{flag}={value}")
     per_rank = [a for a in [*conf.launch_prefix, *conf.training_script_args] if _PER_RANK.search(a)]
@@ -265,6 +266,10 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
     if not interpolation:
         quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)
     return "'" + quoted + interpolation + "'"
+
+
+# what a torchrun without the option does: the same value needs no flag there
+_WITHOUT_THE_OPTION = {"--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
 
 
 @functools.cache
