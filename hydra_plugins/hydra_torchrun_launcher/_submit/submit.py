@@ -452,12 +452,12 @@ class _Sweep:
     ) -> None:
         """A job that ended without a result: SLURM's words for it, and where its output is
         (`runs`: the poll's listing of the runs' files)."""
+        out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
         attempt = self._new_run(runs, plan.idx, "failure")
         if attempt is not None:  # a node of its last run recorded why before SLURM ended the job
             failed_first = failure_file(self.directory, plan.idx, self._array(plan.idx), attempt)
-            self._collect(plan, self._read(failed_first))
+            self._collect(plan, _named_by_slurm(self._read(failed_first), slurm_id, state.state, out))
             return
-        out = output_file(self.directory, plan.idx, slurm_id.split("_")[0])
         started = plan.idx in self.ran or out.exists()
         # a job cancelled while pending keeps the reason it was pending for: not why it ended
         shown = state.reason and state.reason != "None" and (started or state.state != "CANCELLED")
@@ -496,6 +496,26 @@ class _Sweep:
 
 def _said(said: Optional[str]) -> str:
     return f" (scancel: {said})" if said else ""
+
+
+# states in which SLURM ended a running job for a reason of its own (`scancel`, a node lost,
+# memory, a deadline); a time limit and a preemption are told by the job's own stop
+_ENDED_BY_SLURM = frozenset({"BOOT_FAIL", "CANCELLED", "DEADLINE", "NODE_FAIL", "OUT_OF_MEMORY", "REVOKED"})
+
+
+def _named_by_slurm(job_return: JobReturn, slurm_id: str, state: str, out: Path) -> JobReturn:
+    """A node's failure of a job SLURM ended, with SLURM's state first: the node saw only the
+    signal SLURM sent ("stopped by signal SIGTERM"), which does not say who sent it. The
+    node's failure stays the cause (HYDRA_FULL_ERROR prints both)."""
+    value = job_return._return_value
+    ended_by_job = job_return.status == JobStatus.COMPLETED or isinstance(value, JobPreempted)
+    if state not in _ENDED_BY_SLURM or ended_by_job:
+        return job_return
+    named = _failure(f"SLURM job {slurm_id} ended {state}: {value}; its output: {shown_path(str(out))}")
+    if isinstance(value, BaseException):
+        named._return_value.__cause__ = value
+    named.overrides = job_return.overrides
+    return named
 
 
 def _failure(message: str) -> JobReturn:
