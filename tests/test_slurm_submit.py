@@ -18,7 +18,7 @@ from typing import Iterator, List
 
 import pytest
 
-from tests.conftest import as_from_a_terminal, kill_tree
+from tests.conftest import kill_tree
 from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
 
 APP_DIR = Path(__file__).parent / "submit_app"
@@ -74,9 +74,6 @@ def _start(cluster: SlurmCluster, app_dir: Path, *overrides: str) -> subprocess.
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        # as typed in a terminal: a suite run as a background job has SIGINT ignored, which the
-        # launcher keeps ignored, and the Ctrl-C tests would signal a launcher deaf to it
-        preexec_fn=as_from_a_terminal,
     )
 
 

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._job.agent import job_log_dir, script_command, script_path
 from .._shared.plan import JobPlan
+from ..config import TorchrunLauncherConf
 
 RERUN_SCRIPT = "rerun.sh"
 _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -268,8 +269,9 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
     return "'" + quoted + interpolation + "'"
 
 
-# what a torchrun without the option does: the same value needs no flag there
-_WITHOUT_THE_OPTION = {"--signals-to-handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
+# what a torchrun without the option does: the same value needs no flag there (the key's
+# default is the set torch's agent handles where it has no such field)
+_WITHOUT_THE_OPTION = {"--signals-to-handle": TorchrunLauncherConf.signals_to_handle}
 
 
 @functools.cache
