@@ -29,6 +29,8 @@ import pytest
 NODES = ("node1", "node2")
 _DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "sinfo")
 START_TIMEOUT_S = 30.0
+# torch's agents stop their ranks within 30 s of SIGTERM; SLURM then ends the job
+CANCEL_WAIT_S = 60.0
 # the daemons of clusters that run now: they outlive a test, their jobs' processes do not
 RUNNING_DAEMONS: Set[int] = set()
 # what a daemon starts for itself (not for a job): slurmctld's script helper
@@ -249,8 +251,44 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     # -- tear-down ----------------------------------------------------------------------
 
+    def _cancel_jobs(self) -> None:
+        """scancel every job of this cluster and wait (up to CANCEL_WAIT_S: torch's agents
+        take up to 30 s to stop their ranks) for the queue to empty."""
+        if not self.env or not self.processes or self.processes[0].poll() is not None:
+            return  # no controller to ask
+        jobs = self.run(["squeue", "-h", "-o", "%A"]).stdout.split()
+        if not jobs:
+            return
+        self.run(["scancel", *jobs])
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while self.run(["squeue", "-h", "-o", "%A"]).stdout.split() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def _kill_node_processes(self) -> None:
+        """SIGKILL what is still alive in the nodes' network namespaces (only this cluster's
+        jobs run there), and wait for it to be gone."""
+        pids = []
+        for ns in self.namespaces.values():
+            listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+            pids += [int(pid) for pid in listed.stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop(self) -> None:
-        """End every daemon by PID, then remove the namespaces and the bridge."""
+        """End the jobs still queued or running, every daemon by PID and what the jobs left in
+        the nodes' namespaces, then remove the namespaces and the bridge.
+
+        A job's `slurmstepd` detaches from `slurmd` and outlives it by design (a restarted
+        slurmd finds its jobs again), so stopping the daemons alone would leave a job that a
+        failed test did not wait for running, out of the test's process tree.
+        """
+        self._cancel_jobs()
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -263,6 +301,16 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         for process in self.processes:
             RUNNING_DAEMONS.discard(process.pid)
         self.processes.clear()
+        self._kill_node_processes()
         for ns in self.namespaces.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (one reparented away from us is reaped by whoever adopted it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
