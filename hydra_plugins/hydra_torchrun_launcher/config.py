@@ -6,7 +6,7 @@ cheap: a dataclass and the ConfigStore only, never torch. The keys mirror torchr
 checked when a sweep is launched, in `_launcher.settings`.
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
@@ -147,6 +147,15 @@ ConfigStore.instance().store(
 )
 
 
+def _as_in_torchrun_launcher(key: str) -> Any:
+    """A field with `key`'s default in TorchrunLauncherConf: the SLURM launcher's per-job keys
+    mean what they mean there, so their defaults are written once."""
+    local: Field = next(f for f in fields(TorchrunLauncherConf) if f.name == key)
+    if local.default_factory is not MISSING:
+        return field(default_factory=local.default_factory)
+    return field(default=local.default)
+
+
 @dataclass
 class TorchrunSlurmLauncherConf:
     """`hydra/launcher=torchrun_slurm`: every sweep job a SLURM job of its own, from a login node.
@@ -193,36 +202,36 @@ class TorchrunSlurmLauncherConf:
     max_num_timeout: int = 0
 
     # --- the torchrun launcher's keys that make sense per job ---
-    nproc_per_node: Any = 1
-    rdzv_conf: Any = ""
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "forkserver"
-    role: str = "default"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
-    log_dir: Optional[str] = None
-    redirects: Any = "0"
-    tee: Any = "3"
-    local_ranks_filter: str = ""
-    local_addr: Optional[str] = None
-    training_script: Optional[str] = None
-    training_script_args: List[str] = field(default_factory=list)
-    logs_specs: Optional[str] = None
-    numa_binding: Optional[str] = None
-    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    shutdown_timeout: int = 5
-    virtual_local_rank: bool = False
-    log_line_prefix_template: Optional[str] = None
-    event_log_handler: Optional[str] = None
-    duplicate_stdout_filters: Optional[List[str]] = None
-    duplicate_stderr_filters: Optional[List[str]] = None
-    job_timeout: Optional[float] = None
-    launch_prefix: List[str] = field(default_factory=list)
-    stop_signal: Optional[str] = "SIGUSR2"
-    stop_timeout: float = 300.0
-    resume: Any = "auto"
+    nproc_per_node: Any = _as_in_torchrun_launcher("nproc_per_node")
+    rdzv_conf: Any = _as_in_torchrun_launcher("rdzv_conf")
+    max_restarts: int = _as_in_torchrun_launcher("max_restarts")
+    monitor_interval: float = _as_in_torchrun_launcher("monitor_interval")
+    start_method: str = _as_in_torchrun_launcher("start_method")
+    role: str = _as_in_torchrun_launcher("role")
+    module: bool = _as_in_torchrun_launcher("module")
+    no_python: bool = _as_in_torchrun_launcher("no_python")
+    run_path: bool = _as_in_torchrun_launcher("run_path")
+    log_dir: Optional[str] = _as_in_torchrun_launcher("log_dir")
+    redirects: Any = _as_in_torchrun_launcher("redirects")
+    tee: Any = _as_in_torchrun_launcher("tee")
+    local_ranks_filter: str = _as_in_torchrun_launcher("local_ranks_filter")
+    local_addr: Optional[str] = _as_in_torchrun_launcher("local_addr")
+    training_script: Optional[str] = _as_in_torchrun_launcher("training_script")
+    training_script_args: List[str] = _as_in_torchrun_launcher("training_script_args")
+    logs_specs: Optional[str] = _as_in_torchrun_launcher("logs_specs")
+    numa_binding: Optional[str] = _as_in_torchrun_launcher("numa_binding")
+    signals_to_handle: str = _as_in_torchrun_launcher("signals_to_handle")
+    shutdown_timeout: int = _as_in_torchrun_launcher("shutdown_timeout")
+    virtual_local_rank: bool = _as_in_torchrun_launcher("virtual_local_rank")
+    log_line_prefix_template: Optional[str] = _as_in_torchrun_launcher("log_line_prefix_template")
+    event_log_handler: Optional[str] = _as_in_torchrun_launcher("event_log_handler")
+    duplicate_stdout_filters: Optional[List[str]] = _as_in_torchrun_launcher("duplicate_stdout_filters")
+    duplicate_stderr_filters: Optional[List[str]] = _as_in_torchrun_launcher("duplicate_stderr_filters")
+    job_timeout: Optional[float] = _as_in_torchrun_launcher("job_timeout")
+    launch_prefix: List[str] = _as_in_torchrun_launcher("launch_prefix")
+    stop_signal: Optional[str] = _as_in_torchrun_launcher("stop_signal")
+    stop_timeout: float = _as_in_torchrun_launcher("stop_timeout")
+    resume: Any = _as_in_torchrun_launcher("resume")
     # print every job's sbatch script and submit nothing
     dry_run: bool = False
 
