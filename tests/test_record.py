@@ -347,6 +347,18 @@ def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: P
     _preempt_job_1(app_dir)
     stopped_at = json.loads((app_dir / "sweep" / "1" / "checkpoint.json").read_text())["step"]
     (app_dir / "sweep").rename(app_dir / "moved")
+    # the dry run says what the run will do with the recorded jobs, and changes nothing
+    summary = (app_dir / "moved" / "sweep_summary.json").read_text()
+    dry = _run(app_dir, "-m", "hydra.sweep.dir=moved", "lr=0.1,0.2", "hydra.launcher.dry_run=true")
+    assert dry.returncode == 0, dry.stdout
+    assert (
+        "Dry run: 2 jobs, 1 at a time (1 of them from the sweep dir's record, not run); nothing is started"
+        in dry.stdout
+    ), dry.stdout
+    job_0, job_1 = dry.stdout.split("\t#1 : lr=0.2")
+    assert "record:     COMPLETED in the record: not run, its result comes from the record" in job_0
+    assert "record:     PREEMPTED in the record: runs on in its job dir (preemption.resumed() True)" in job_1
+    assert "rank 0:" not in dry.stdout and (app_dir / "moved" / "sweep_summary.json").read_text() == summary
     code, out = _Launcher(app_dir, "-m", "hydra.sweep.dir=moved", "lr=0.1,0.2").end()
     assert code == 0, out
     assert "1 completed job(s) come from its record (#0), 1 unfinished job(s) continue (#1)" in out, out
@@ -355,9 +367,12 @@ def test_a_moved_sweep_dir_resumes_and_another_job_dir_starts_afresh(tmp_path: P
     # preempted again, then resumed with another hydra.sweep.subdir: no checkpoint there
     shutil.rmtree(app_dir / "moved")
     _preempt_job_1(app_dir)
-    code, out = _Launcher(
-        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.sweep.subdir=job_${hydra.job.num}"
-    ).end()
+    elsewhere = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.sweep.subdir=job_${hydra.job.num}"]
+    dry = _run(app_dir, *elsewhere, "hydra.launcher.dry_run=true")
+    assert "\t\trecord:     PREEMPTED in the record: runs afresh\n" in dry.stdout, dry.stdout
+    never = _run(app_dir, *elsewhere, "hydra.launcher.dry_run=true", "hydra.launcher.resume=false")
+    assert never.returncode == 0 and "record:" not in never.stdout, never.stdout
+    code, out = _Launcher(app_dir, *elsewhere).end()
     assert code == 0, out
     assert "0 unfinished job(s) continue, 1 run afresh (#1)" in out, out
     assert "resumed" not in out.split("\t#1 : lr=0.2")[1], out

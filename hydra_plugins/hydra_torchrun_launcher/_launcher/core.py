@@ -47,6 +47,7 @@ from .resume import (
     continuing_in_place,
     fingerprint,
     log_resumption,
+    planned_resumption,
     read_record,
     resumption,
     save_return,
@@ -124,7 +125,8 @@ def launch(
         for plan in plans:
             plan.console_label = f"#{plan.idx} "
     if plans[0].settings.conf.dry_run:
-        log.info(dry_run_plan(plans, configs, parallel_jobs, devices))
+        recorded = planned_resumption(plans[0].settings.conf.resume, sweep_dir, plans)
+        log.info(dry_run_plan(plans, configs, parallel_jobs, devices, recorded))
         raise SystemExit(0)
     return _run_plans(launcher, plans, configs, parallel_jobs, devices, preload, task_error, notice)
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from .._job.agent import job_log_dir, script_command, script_path
 from .._shared.plan import JobPlan
 from ..config import TorchrunLauncherConf
+from .resume import PlannedResumption
 
 RERUN_SCRIPT = "rerun.sh"
 _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -289,10 +290,16 @@ def _torchrun_flags() -> "Optional[frozenset[str]]":
 
 
 def dry_run_plan(
-    plans: List[JobPlan], configs: Dict[int, DictConfig], parallel_jobs: int, devices: Optional[List[str]]
+    plans: List[JobPlan],
+    configs: Dict[int, DictConfig],
+    parallel_jobs: int,
+    devices: Optional[List[str]],
+    recorded: PlannedResumption,
 ) -> str:
-    """What `dry_run: true` prints: every job's plan, as it would run, and its torchrun form."""
-    lines = [f"Dry run: {len(plans)} jobs, {parallel_jobs} at a time; nothing is started"]
+    """What `dry_run: true` prints: every job's plan, as it would run, and its torchrun form;
+    `recorded`: what the run would do with the jobs the sweep dir's record holds."""
+    from_record = recorded.in_header("not run")
+    lines = [f"Dry run: {len(plans)} jobs, {parallel_jobs} at a time{from_record}; nothing is started"]
     for plan in plans:
         conf = plan.settings.conf
         config = configs[plan.idx]
@@ -309,6 +316,7 @@ def dry_run_plan(
         line, missing = plain_torchrun_line(plan, config, job_devices)
         lines += [
             f"\t#{plan.idx} : {_listed(plan.overrides)}",
+            *([f"\t\trecord:     {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
             f"\t\tjob dir:    {plan.output_dir}",
             f"\t\tranks:      {plan.nproc} per node x {conf.nnodes} node(s), {conf.start_method}, {runs}",
             f"\t\tdevices:    {shown}",

@@ -225,6 +225,42 @@ def continuing_in_place(sweep_dir: Path, jobs: Sequence[Any], found: Resumption)
     }
 
 
+@dataclass
+class PlannedResumption:
+    """For the dry run: what a run would do with the jobs the sweep dir's record holds."""
+
+    # by job number, in words
+    said: Dict[int, str] = field(default_factory=dict)
+    # the completed jobs a run would take from the record, not run
+    completed: Set[int] = field(default_factory=set)
+
+    def in_header(self, instead: str) -> str:
+        """The dry run's first line's word on the record ("" when it gives no job)."""
+        if not self.completed:
+            return ""
+        return f" ({len(self.completed)} of them from the sweep dir's record, {instead})"
+
+
+def planned_resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any]) -> PlannedResumption:
+    """What a run would do with each of `jobs` (plans) that the sweep dir's record holds (a
+    job it does not hold runs, as every job of a new sweep). Reads the record and takes
+    nothing: a real run decides the same way (`resumption`)."""
+    record = read_record(sweep_dir) if mode is not False else Record()
+    found = resumption(mode, sweep_dir, jobs, record, first=True)
+    in_place = continuing_in_place(sweep_dir, jobs, found)
+    planned = PlannedResumption(completed=set(found.completed))
+    for num, outcome in found.recorded.items():
+        if num in found.completed:
+            planned.said[num] = f"{outcome.status} in the record: not run, its result comes from the record"
+        elif num in in_place:
+            planned.said[num] = (
+                f"{outcome.status} in the record: runs on in its job dir (preemption.resumed() True)"
+            )
+        else:
+            planned.said[num] = f"{outcome.status} in the record: runs afresh"
+    return planned
+
+
 def _slurm_restarted(environ: Mapping[str, str]) -> bool:
     """SLURM runs this batch job again (a requeue): what it had done is kept, finished or not."""
     return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0

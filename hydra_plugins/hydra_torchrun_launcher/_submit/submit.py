@@ -31,9 +31,11 @@ from .._launcher.pool import SweepStopped, react_to_stop
 from .._launcher.report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .._launcher.reproduce import write_rerun_script
 from .._launcher.resume import (
+    PlannedResumption,
     Record,
     continuing_in_place,
     log_resumption,
+    planned_resumption,
     read_record,
     resumption,
     save_return,
@@ -96,7 +98,7 @@ def launch(
         return []
     conf = plans[0].settings.conf
     if conf.dry_run:
-        log.info(_dry_run(plans, options, sweep_dir))
+        log.info(_dry_run(plans, options, sweep_dir, planned_resumption(conf.resume, sweep_dir, plans)))
         raise SystemExit(0)
     first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
     hold_sweep_lock(sweep_dir, 1)
@@ -551,21 +553,32 @@ def arrays(plans: List[JobPlan], options: Dict[int, SlurmOptions]) -> Dict[Slurm
     return groups
 
 
-def _dry_run(plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path) -> str:
-    """Each job, and the batch script of each array of them, as it would be submitted; nothing is."""
+def _dry_run(
+    plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: Path, recorded: PlannedResumption
+) -> str:
+    """Each job, and the batch script of each array of them, as it would be submitted (the
+    jobs a run would take from the sweep dir's record are in no array); nothing is."""
     directory = sweep_dir / ".slurm"
-    lines = [f"Dry run: {len(plans)} jobs, each a SLURM job of a job array; nothing is submitted"]
+    from_record = recorded.in_header("not submitted")
+    lines = [
+        f"Dry run: {len(plans)} jobs, each a SLURM job of a job array{from_record}; nothing is submitted"
+    ]
     for slurm, group in arrays(plans, options).items():
         for plan in group:
             conf = plan.settings.conf
             lines += [
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
+                *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
                 f"\t\tjob dir: {plan.output_dir}",
                 f"\t\tranks:   {plan.nproc} per node x {slurm.nodes} node(s), {conf.start_method}",
             ]
-        jobs = [plan.idx for plan in group]
-        lines += [
-            f"\tsbatch script of {', '.join(f'#{idx}' for idx in jobs)}:",
-            *(f"\t\t{line}" for line in batch_script(slurm, jobs, directory, str(sweep_dir)).splitlines()),
-        ]
+        jobs = [plan.idx for plan in group if plan.idx not in recorded.completed]
+        if jobs:
+            lines += [
+                f"\tsbatch script of {', '.join(f'#{idx}' for idx in jobs)}:",
+                *(
+                    f"\t\t{line}"
+                    for line in batch_script(slurm, jobs, directory, str(sweep_dir)).splitlines()
+                ),
+            ]
     return "\n".join(lines)
