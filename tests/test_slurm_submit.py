@@ -502,12 +502,25 @@ def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs
         kill_tree(launcher)
     assert launcher.returncode == 130, output
     _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+    # the dry run says what the same command will do with the recorded job
+    dry = _sweep(cluster, app_dir, "steps=50", "x=1", "hydra.launcher.dry_run=true")
+    assert "record:  STOPPED in the record: runs on in its job dir" in dry.stdout + dry.stderr, dry
     result = _sweep(cluster, app_dir, "steps=50", "x=1")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "1 unfinished job(s) continue (#0)" in output, output
     job = _summary(app_dir)[0]
     assert job["status"] == "COMPLETED" and job["return_value"]["resumed"] is True, job
+    # a completed job of the record is in no array
+    dry = _sweep(
+        cluster, app_dir, "steps=50", "x=1", "hydra.launcher.dry_run=true", "hydra.launcher.resume=true"
+    )
+    output = dry.stdout + dry.stderr
+    assert (
+        "1 jobs, each a SLURM job of a job array (1 of them from the sweep dir's record, not submitted)"
+        in output
+    )
+    assert "record:  COMPLETED in the record: not run" in output and "sbatch script" not in output, output
 
 
 def test_a_job_asking_for_more_nodes_than_its_partition_has_fails_at_once_with_slurms_reason(
