@@ -18,7 +18,7 @@ from hydra_plugins.hydra_torchrun_launcher._launcher.cluster import (
     inspect_environment,
     resolve_cluster,
 )
-from hydra_plugins.hydra_torchrun_launcher._launcher.cluster_pet import PET_KEYS
+from hydra_plugins.hydra_torchrun_launcher._launcher.cluster_pet import PET_KEYS, read_here
 from hydra_plugins.hydra_torchrun_launcher._launcher.settings import JobSettings, LauncherConfigError
 from hydra_plugins.hydra_torchrun_launcher.config import TORCHRUN_FLAGS, TorchrunLauncherConf
 
@@ -80,14 +80,8 @@ def test_pet_keys_are_the_launcher_keys_torchrun_reads_from_pet_variables():
         for action in get_args_parser()._actions
         if isinstance(action, (env, check_env)) and action.dest in TORCHRUN_FLAGS
     }
-    # a newer torchrun's flags too: the keys whose LaunchConfig field the installed torch lacks
-    # (a PET_ variable for one is taken, then refused by name or honoured as the key would be)
-    from hydra_plugins.hydra_torchrun_launcher._job.launch_config import _FIELD_OF_KEY, launch_config_fields
-
-    newer = {key for key, field_name in _FIELD_OF_KEY.items() if field_name not in launch_config_fields()}
-    # and the flags a newer torchrun than the installed one reads from PET_ (from 2.15)
-    newer |= {"log_line_prefix_template"}
-    assert read_from_pet <= set(PET_KEYS) <= read_from_pet | newer, set(PET_KEYS) ^ read_from_pet
+    # exactly what the installed torchrun reads; PET_KEYS also has what a newer one reads
+    assert set(read_here()) == read_from_pet <= set(PET_KEYS), set(read_here()) ^ read_from_pet
     assert set(TORCHRUN_FLAGS) <= {f.name for f in dataclasses.fields(TorchrunLauncherConf)}
 
 
@@ -130,21 +124,44 @@ def test_keys_the_user_set_win_over_the_variables_and_the_line_says_so():
 
 def test_variables_win_over_the_plugins_defaults_of_every_kind():
     environ = {
+        "PET_NNODES": "1",
         "PET_MONITOR_INTERVAL": "2.5",
         "PET_START_METHOD": "spawn",
         "PET_STANDALONE": "1",
-        "PET_VIRTUAL_LOCAL_RANK": "0",
-        "PET_DUPLICATE_STDOUT_FILTERS": "loss,step",
-        "PET_SHUTDOWN_TIMEOUT": "9",
         "PET_TEE": "0",
-        # torchrun reads it from 2.15; taken on every torch
-        "PET_LOG_LINE_PREFIX_TEMPLATE": "[${rank}] ",
+        "PET_LOCAL_RANKS_FILTER": "0",
     }
     conf = resolve_cluster(settings(), environ)[0].conf
     assert (conf.monitor_interval, conf.start_method, conf.standalone) == (2.5, "spawn", True)
-    assert (conf.virtual_local_rank, conf.duplicate_stdout_filters) == (False, ["loss", "step"])
-    assert (conf.shutdown_timeout, conf.tee) == (9, "0")
-    assert conf.log_line_prefix_template == "[${rank}] "
+    assert (conf.tee, conf.local_ranks_filter) == ("0", "0")
+
+
+# what torchrun reads from PET_ from one release on (2.8, 2.10, 2.12, 2.15), as each key's value
+NEWER = {
+    "event_log_handler": ("PET_EVENT_LOG_HANDLER", "console", "console"),
+    "virtual_local_rank": ("PET_VIRTUAL_LOCAL_RANK", "0", False),
+    "duplicate_stdout_filters": ("PET_DUPLICATE_STDOUT_FILTERS", "loss,step", ["loss", "step"]),
+    "shutdown_timeout": ("PET_SHUTDOWN_TIMEOUT", "9", 9),
+    "log_line_prefix_template": ("PET_LOG_LINE_PREFIX_TEMPLATE", "[${rank}] ", "[${rank}] "),
+}
+
+
+def test_a_variable_the_installed_torchrun_does_not_read_is_ignored_as_it_ignores_it():
+    environ = {"PET_NPROC_PER_NODE": "2", **{name: text for name, text, _ in NEWER.values()}}
+    conf, line = resolve_cluster(settings(), environ)
+    unread = [NEWER[key][0] for key in PET_KEYS if key in NEWER and key not in read_here()]
+    for key, (name, _, value) in NEWER.items():
+        assert getattr(conf.conf, key) == (
+            getattr(TorchrunLauncherConf(), key) if name in unread else value
+        ), key
+    assert conf.conf.nproc_per_node == 2
+    if unread:
+        assert line is not None and line.startswith(
+            f"{', '.join(unread)} ignored: the installed torchrun does not read "
+            f"{'it' if len(unread) == 1 else 'them'} (a newer one does); torchrun's PET_* variables "
+        ), line
+    else:
+        assert line is not None and "ignored" not in line, line
 
 
 def test_empty_variables_count_as_unset():

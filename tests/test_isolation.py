@@ -290,7 +290,8 @@ def test_without_signals_to_handle_an_ignored_signal_torch_handles_is_said_at_la
             proc.wait()
     said = (
         f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
-        "ignores, stops the job's ranks all the same"
+        "ignores, stops a job's ranks if it is sent to the job's own process (the terminal's does not "
+        "reach it: jobs run in a process group of their own)"
     )
     output = (tmp_path / "out.txt").read_text()
     assert sum(said in line for line in output.splitlines()) == 1, output  # once, for the whole sweep

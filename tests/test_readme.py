@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from hydra_plugins.hydra_torchrun_launcher._launcher.reproduce import _torchrun_flags
+from hydra_plugins.hydra_torchrun_launcher._shared.torchrun_cli import torchrun_options
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -165,7 +165,7 @@ def _for_this_torchrun(line: str) -> str:
     """An excerpt's dry-run `torchrun:` line as the installed torch prints it: the README's
     comes from the newest torch; an older torchrun's line leaves out the options it lacks (its
     `(it cannot express: ...)` line names those that matter)."""
-    flags = _torchrun_flags()
+    flags = torchrun_options()
     if not line.startswith("torchrun: ") or flags is None:
         return line
     return " ".join(t for t in line.split(" ") if not t.startswith("--") or t.split("=")[0] in flags)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from omegaconf import OmegaConf
 
-from hydra_plugins.hydra_torchrun_launcher._launcher.reproduce import _torchrun_flags
+from hydra_plugins.hydra_torchrun_launcher._shared.torchrun_cli import torchrun_options
 from tests.conftest import assert_gone, wait_for
 
 CONSOLE_APP = Path(__file__).parent / "console_app"
@@ -540,11 +540,13 @@ def _torchrun_line(out: str) -> "tuple[str, List[str]]":
 def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     (app_dir / "write.py").write_text(
-        "import os, sys\nopen(f\"out_{os.environ['RANK']}.txt\", 'w').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "import os, sys\n"
+        "open(f\"out_{os.environ['RANK']}.txt\", 'w').write(' '.join(sys.argv[1:]) + '\\n')\n"
+        "print('role', os.environ['ROLE_NAME'], flush=True)\n"
     )
     # flags of a newer torchrun are shown where the installed one has them, else said
-    shutdown = "--shutdown-timeout" in _torchrun_flags()
-    virtual = "--virtual-local-rank" in _torchrun_flags()
+    shutdown = "--shutdown-timeout" in torchrun_options()
+    virtual = "--virtual-local-rank" in torchrun_options()
     job = [
         "-m",
         "hydra.sweep.dir=sweep",
@@ -554,8 +556,20 @@ def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(t
         *(["hydra.launcher.virtual_local_rank=true"] if virtual else []),
         "hydra.launcher.dry_run=true",
     ]
-    result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,x]")
+    # a PET_ variable of this shell that the line's torchrun would read: the job has the
+    # user's role (torchrun's default), and so must the line pasted in this shell
+    prefix = "hydra.launcher.log_line_prefix_template='<{rank}>'"
+    pet = {"PET_ROLE": "pet"}
+    result = _run(
+        app_dir,
+        *job,
+        "hydra.launcher.training_script_args=[--tag,x]",
+        "hydra.launcher.role=default",
+        prefix,
+        **pet,
+    )
     assert result.returncode == 0, result.stdout
+    assert "PET_ROLE=pet: using role=default (yours)" in result.stdout, result.stdout
     line, cannot = _torchrun_line(result.stdout)
     job_dir = app_dir / "sweep" / "0"
     quoted = shlex.quote(str(job_dir))
@@ -563,9 +577,10 @@ def test_the_torchrun_line_runs_a_script_in_its_job_dir_with_the_jobs_settings(t
     assert ("--shutdown-timeout=7" in line) == shutdown and ("--virtual-local-rank" in line) == virtual, line
     no_such = ["(it cannot express: --shutdown-timeout (this torch's torchrun has no such option))"]
     assert cannot == ([] if shutdown else no_such), cannot
-    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    run = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=_env(**pet), capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert (job_dir / "out_0.txt").read_text() == "--tag x\n"
+    assert "<0>role default" in run.stdout.splitlines(), (line, run.stdout)
 
     # what a torchrun line cannot do is said, not left out
     result = _run(app_dir, *job, "hydra.launcher.training_script_args=[--tag,'{rank}']")
@@ -585,7 +600,7 @@ def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path)
     # the launcher's shutdown_timeout (5 s) is not torchrun's default: a torchrun without
     # the option cannot say it
     no_such = "(it cannot express: --shutdown-timeout (this torch's torchrun has no such option))"
-    assert cannot == ([] if "--shutdown-timeout" in _torchrun_flags() else [no_such]), cannot
+    assert cannot == ([] if "--shutdown-timeout" in torchrun_options() else [no_such]), cannot
     run = subprocess.run(
         ["bash", "-c", line], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300
     )

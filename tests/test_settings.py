@@ -188,7 +188,8 @@ def test_without_signals_to_handle_an_ignored_signal_is_said_by_name(
             signal.signal(sig, handler)
     assert [r.getMessage() for r in caplog.records] == [
         f"torch {torch.__version__} has no LaunchConfig.signals_to_handle: SIGHUP, which this process "
-        "ignores, stops the job's ranks all the same"
+        "ignores, stops a job's ranks if it is sent to the job's own process (the terminal's does not "
+        "reach it: jobs run in a process group of their own)"
     ]
 
 
@@ -265,3 +266,27 @@ def test_documented_values_are_taken() -> None:
     assert settings(nproc_per_node="privateuseone").conf.nproc_per_node == "privateuseone"
     with pytest.raises(LauncherConfigError, match="nproc_per_node='privateuseone' is invalid here"):
         _launch_config.local_world_size(settings(nproc_per_node="privateuseone"))
+
+
+@pytest.mark.parametrize(
+    "key, same, other",
+    [
+        ("signals_to_handle", "SIGINT, SIGTERM,SIGQUIT,SIGHUP", "SIGTERM"),
+        ("duplicate_stdout_filters", [], ["loss"]),
+        ("duplicate_stderr_filters", [], ["loss"]),
+        ("event_log_handler", "null", "console"),
+    ],
+)
+def test_where_torch_lacks_a_key_its_default_spelled_otherwise_is_taken_another_value_refused(
+    monkeypatch: pytest.MonkeyPatch, key: str, same: object, other: object
+) -> None:
+    """A config shared between torch releases may spell the default its own way (the same
+    signals in another order, no filters as an empty list, torch's name of its default
+    handler): that is what a torch without the field does, so it is no reason to refuse."""
+    present = _launch_config.launch_config_fields()
+    monkeypatch.setattr(_launch_config, "launch_config_fields", lambda: present - {key})
+    _launch_config.check_supported(settings(**{key: same}))
+    with pytest.raises(
+        LauncherConfigError, match=rf"^hydra\.launcher\.{key}=.* is not supported by the installed"
+    ):
+        _launch_config.check_supported(settings(**{key: other}))

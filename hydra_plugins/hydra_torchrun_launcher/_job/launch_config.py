@@ -20,6 +20,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings, Rendezvous
 from .._shared.signals import not_ignored, signals_named
+from ..config import TorchrunLauncherConf
 from .torch_adjustments import close_takes_a_timeout
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def check_supported(settings: JobSettings) -> None:
     have = honoured_fields()
     for key, value in settings.changed_from_default().items():
         field_name = _FIELD_OF_KEY.get(key)
-        if field_name is not None and field_name not in have:
+        if field_name is not None and field_name not in have and not _means_the_default(key, value):
             raise LauncherConfigError(
                 f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
                 f"{torch.__version__}; leave it at its default or upgrade torch"
@@ -117,17 +118,32 @@ def check_supported(settings: JobSettings) -> None:
     signals = settings.conf.signals_to_handle
     ignored = sorted(set(signals_named(signals)) - set(signals_named(not_ignored(signals))))
     if "signals_to_handle" not in have and ignored:
-        # torch before 2.10 handles SIGTERM, SIGINT, SIGHUP and SIGQUIT whatever the launcher says
+        # torch before 2.10 handles SIGTERM, SIGINT, SIGHUP and SIGQUIT whatever the launcher says,
+        # in the job's process: a `kill` of that process reaches it, a terminal's signal does not
         _warn_once(
             "signals_to_handle",
-            f"{', '.join(sig.name for sig in ignored)}, which this process ignores, "
-            "stops the job's ranks all the same",
+            f"{', '.join(sig.name for sig in ignored)}, which this process ignores, stops a job's ranks "
+            "if it is sent to the job's own process (the terminal's does not reach it: jobs run in a "
+            "process group of their own)",
         )
     if "shutdown_timeout" not in have:
         _warn_once(
             "shutdown_timeout",
             "stopped ranks get torch's 30 s, not hydra.launcher.shutdown_timeout, before SIGKILL",
         )
+
+
+def _means_the_default(key: str, value: Any) -> bool:
+    """A value spelled otherwise than the key's default that does what the default does,
+    which a torch without the field does anyway: the same signals in another order, no
+    filters as an empty list, torch's own name of its default event handler."""
+    if key == "signals_to_handle":
+        return set(signals_named(value)) == set(signals_named(TorchrunLauncherConf.signals_to_handle))
+    if key in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        return not value
+    if key == "event_log_handler":
+        return value == "null"
+    return False
 
 
 def _warn_once(field_name: str, broken: str) -> None:
@@ -215,7 +231,7 @@ def build_launch_config(
         "duplicate_stderr_filters": conf.duplicate_stderr_filters,
         "virtual_local_rank": conf.virtual_local_rank,
         "shutdown_timeout": conf.shutdown_timeout,
-        "log_line_prefix_template": _labelled(_prefix_template(conf), console_label),
+        "log_line_prefix_template": _labelled(prefix_template(conf), console_label),
     }
     kwargs.update({name: value for name, value in optional.items() if name in have})
     if "numa_options" in have and conf.numa_binding is not None:
@@ -250,7 +266,7 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], con
         from .console import ConsoleLogsSpecs
 
         return ConsoleLogsSpecs(
-            **common, console=console, prefix_template=_prefix_template(conf), label=console_label
+            **common, console=console, prefix_template=prefix_template(conf), label=console_label
         )
     if conf.logs_specs is not None:
         from .._shared.private import logs_specs_class
@@ -262,7 +278,7 @@ def _logs_specs(settings: JobSettings, log_dir: str, console: Optional[Any], con
     return specs_class(**common)
 
 
-def _prefix_template(conf: Any) -> Optional[str]:
+def prefix_template(conf: Any) -> Optional[str]:
     """torch's prefix template; in Hydra config `{rank}` stands for torch's `${rank}`.
 
     Hydra resolves `${...}` in launcher keys (and cannot pass an escaped one through to

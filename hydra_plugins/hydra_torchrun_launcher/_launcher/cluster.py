@@ -7,7 +7,8 @@ world is used, and one line says what was found. `slurm`, `pet`, `mpi`, `lsf` re
 one (not finding it is an error); `none` looks at nothing.
 
 What a scheduler gives fills the keys the user left alone: a key the user set wins. Pure
-functions over an environ mapping, no torch: unit-testable anywhere.
+functions over an environ mapping (and, for PET_*, which variables the installed torchrun
+reads): unit-testable anywhere.
 """
 
 import dataclasses

@@ -18,19 +18,26 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
+from .._shared.torchrun_cli import read_from_pet_variables
 from ..config import TORCHRUN_FLAGS, TorchrunLauncherConf
 from .cluster_layout import Detection
 from .settings import checked_settings
 
 # torchrun flags that torchrun takes from its command line only (no PET_ variable): the
-# script and its arguments, and flags declared without torch's `env` action.
-# `log_line_prefix_template` is not one: torchrun reads PET_LOG_LINE_PREFIX_TEMPLATE from 2.15
-# (2.14's flag had no variable, older torchrun no flag), and a pod's variable is taken on every
-# torch, as the newest torchrun takes it
+# script and its arguments, and flags declared without torch's `env` action
 _COMMAND_LINE_ONLY = frozenset({"training_script", "training_script_args", "logs_specs", "numa_binding"})
-# launcher keys torchrun reads from PET_<KEY> (tests/test_cluster_environments.py checks
-# this against the installed torchrun)
+# launcher keys that some torchrun (the newest) reads from PET_<KEY>
 PET_KEYS: Tuple[str, ...] = tuple(key for key in TORCHRUN_FLAGS if key not in _COMMAND_LINE_ONLY)
+
+
+def read_here() -> Tuple[str, ...]:
+    """The keys of PET_KEYS whose variable the installed torchrun reads: an older torchrun
+    ignores a newer one's (PET_SHUTDOWN_TIMEOUT before 2.12, PET_LOG_LINE_PREFIX_TEMPLATE
+    before 2.15), and so does the launcher, as a pod image made for a newer torch may set
+    them. All of PET_KEYS where torchrun's parser cannot be read."""
+    read = read_from_pet_variables()
+    return PET_KEYS if read is None else tuple(key for key in PET_KEYS if key in read)
+
 
 _HINTS = typing.get_type_hints(TorchrunLauncherConf)
 
@@ -49,24 +56,34 @@ def present(environ: Mapping[str, str]) -> Optional[str]:
 
 
 def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
-    """The PET_* values by launcher key, each converted as torchrun converts it.
+    """The PET_* values by launcher key, each converted as torchrun converts it; the ones the
+    installed torchrun does not read are ignored, with a note naming them.
 
     An empty variable counts as unset. `required` (cluster: pet): none set is an error.
     """
     values: ValuesFound = {}
-    for key in PET_KEYS:
+    read = read_here()
+    for key in read:
         name = variable(key)
         text = environ.get(name)
         if text:
             values[key] = (name, text, _converted(key, name, text))
+    unread = [variable(key) for key in PET_KEYS if key not in read and environ.get(variable(key))]
+    note = (
+        f"{', '.join(unread)} ignored: the installed torchrun does not read "
+        f"{'it' if len(unread) == 1 else 'them'} (a newer one does)"
+        if unread
+        else None
+    )
     if not values:
         if required:
             raise LauncherConfigError(
                 "hydra.launcher.cluster=pet needs torchrun's PET_* variables (PET_NNODES, PET_NODE_RANK, "
-                "PET_MASTER_ADDR, ... as Kubeflow sets them in each pod): none is set"
+                "PET_MASTER_ADDR, ... as Kubeflow sets them in each pod): none that the installed torchrun "
+                "reads is set"
             )
-        return Detection(None, None)
-    return Detection(None, None, pet=values)
+        return Detection(None, note)
+    return Detection(None, note, pet=values)
 
 
 def resolve(

@@ -16,7 +16,6 @@ parser quoted for its grammar when they are not plain ASCII words.
 """
 
 import argparse
-import functools
 import os
 import re
 import shlex
@@ -27,7 +26,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from .._job.agent import job_log_dir, script_command, script_path
+from .._job.launch_config import prefix_template
 from .._shared.plan import JobPlan
+from .._shared.signals import signals_named
+from .._shared.torchrun_cli import read_from_pet_variables, torchrun_options
 from ..config import TorchrunLauncherConf
 from .resume import PlannedResumption
 
@@ -129,6 +131,8 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
         ("--local-ranks-filter", conf.local_ranks_filter or None),
         ("--local-addr", conf.local_addr),
         ("--logs-specs", conf.logs_specs),
+        ("--event-log-handler", conf.event_log_handler),
+        ("--log-line-prefix-template", _prefix_template_of(conf)),
         ("--numa-binding", conf.numa_binding),
         ("--shutdown-timeout", conf.shutdown_timeout),
         ("--signals-to-handle", conf.signals_to_handle),
@@ -136,14 +140,14 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
         ("--duplicate-stdout-filters", ",".join(conf.duplicate_stdout_filters or []) or None),
         ("--duplicate-stderr-filters", ",".join(conf.duplicate_stderr_filters or []) or None),
     ]
-    known = _torchrun_flags()
+    known = torchrun_options()
     command = ["torchrun"]
     missing = []
     for flag, value in flags:
         if value is None:
             continue
         if known is not None and flag not in known:
-            if _WITHOUT_THE_OPTION.get(flag) != value:
+            if flag not in _IN_THE_ENVIRONMENT and not _as_without_the_option(flag, value):
                 missing.append(f"{flag} (this torch's torchrun has no such option)")
         else:
             command.append(flag if value is True else f"{flag}={value}")
@@ -227,7 +231,9 @@ def plain_torchrun_line(
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
     command, missing = torchrun_command(plan, config)
-    shown = [f"{k}={v}" for k, v in env.items()]
+    unset, added = _torchrun_environment(conf)
+    env.update(added)
+    shown = [word for name in unset for word in ("-u", name)] + [f"{k}={v}" for k, v in env.items()]
     return cd + " ".join(bash_word(word) for word in (["env", *shown] if shown else []) + command), missing
 
 
@@ -271,22 +277,44 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
 
 
 # what a torchrun without the option does: the same value needs no flag there (the key's
-# default is the set torch's agent handles where it has no such field)
-_WITHOUT_THE_OPTION = {"--signals-to-handle": TorchrunLauncherConf.signals_to_handle}
+# default is the set torch's agent handles where it has no such field; before 2.12 torch's
+# agent gives stopped ranks 30 s)
+_WITHOUT_THE_OPTION = {
+    "--signals-to-handle": TorchrunLauncherConf.signals_to_handle,
+    "--shutdown-timeout": 30,
+}
+# options an older torchrun takes from a variable instead (torch's agent reads it)
+_IN_THE_ENVIRONMENT = {"--log-line-prefix-template": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"}
 
 
-@functools.cache
-def _torchrun_flags() -> "Optional[frozenset[str]]":
-    """The long options of the installed torchrun (names change between torch releases).
+def _as_without_the_option(flag: str, value: Any) -> bool:
+    """Whether a torchrun without `flag` does what `value` asks (signals in any order)."""
+    if flag not in _WITHOUT_THE_OPTION:
+        return False
+    if flag == "--signals-to-handle":
+        return set(signals_named(value)) == set(signals_named(_WITHOUT_THE_OPTION[flag]))
+    return value == _WITHOUT_THE_OPTION[flag]
 
-    None (every flag shown) where argparse's list of actions, a private name, is missing.
-    """
-    from torch.distributed.run import get_args_parser
 
-    actions = getattr(get_args_parser(), "_actions", None)
-    if actions is None:
-        return None
-    return frozenset(option for action in actions for option in action.option_strings)
+def _prefix_template_of(conf: Any) -> Optional[str]:
+    """The job's log line prefix template as torch takes it, where the key sets one (else
+    torch reads TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE from the environment, as the job did)."""
+    return prefix_template(conf) if conf.log_line_prefix_template else None
+
+
+def _torchrun_environment(conf: Any) -> "tuple[List[str], Dict[str, str]]":
+    """What the line changes in torchrun's environment: the PET_* variables the installed
+    torchrun would read from this shell unset (the line gives every setting of the job, and
+    a variable would override torchrun's default where the line leaves one out), and the
+    options it takes from a variable where it has no flag for them."""
+    read = read_from_pet_variables() or frozenset()
+    unset = sorted(name for key in read if (name := f"PET_{key.upper()}") in os.environ)
+    known = torchrun_options()
+    added = {}
+    template = _prefix_template_of(conf)
+    if template is not None and known is not None and "--log-line-prefix-template" not in known:
+        added[_IN_THE_ENVIRONMENT["--log-line-prefix-template"]] = template
+    return unset, added
 
 
 def dry_run_plan(
