@@ -139,6 +139,31 @@ def test_a_one_job_launch_ends_with_its_table_too(tmp_path: Path) -> None:
     assert row[:2] == ["0", "COMPLETED"] and row[3] == "lr=0.1" and row[-1] == "sweep/0", result.stdout
 
 
+def test_redirects_alone_under_the_default_tee_is_said_and_with_tee_0_keeps_the_console_quiet(
+    tmp_path: Path,
+) -> None:
+    """torch tees what both keys name: a torchrun user's `redirects=3` alone, under the
+    launcher's tee=3, changes nothing, and one line says so; with tee=0 the ranks' lines are in
+    the files only."""
+    app_dir = _install(tmp_path)
+    alone = _run(app_dir, "-m", "hydra.sweep.dir=alone", "lr=0.1", "hydra.launcher.redirects=3")
+    assert alone.returncode == 0, alone.stdout
+    said = (
+        "hydra.launcher.redirects=3: the ranks' stdout and stderr still show on the console, as "
+        "hydra.launcher.tee=3 (the launcher's default is 3) shows them; set tee=0 to keep them in "
+        "the files only"
+    )
+    assert sum(line.endswith(said) for line in alone.stdout.splitlines()) == 1, alone.stdout
+    assert "[default0]:" in alone.stdout, alone.stdout
+    quiet = _run(
+        app_dir, "-m", "hydra.sweep.dir=quiet", "lr=0.1", "hydra.launcher.redirects=3", "hydra.launcher.tee=0"
+    )
+    assert quiet.returncode == 0, quiet.stdout
+    assert "still show on the console" not in quiet.stdout and "rank 0 of 2 starts" not in quiet.stdout
+    logs = list((app_dir / "quiet" / "0" / "torchrun_logs").rglob("*.log"))
+    assert any("rank 0 of 2 starts" in log.read_text() for log in logs), logs
+
+
 def test_jobs_at_once_label_every_line(tmp_path: Path) -> None:
     app_dir = _install(tmp_path)
     result = _run(

@@ -54,7 +54,7 @@ from .resume import (
     targets_digest,
     task_digest,
 )
-from .settings import check_node_rank, resolve_settings
+from .settings import check_node_rank, resolve_settings, shadowed_redirects
 from .shared_dir import publish_decision, take_decision
 from .task import app_script, pickle_task
 
@@ -148,7 +148,7 @@ def compose_plans(
     settings_of: Callable[[DictConfig], "tuple[JobSettings, Optional[str]]"],
 ) -> ComposedSweep:
     """Every job composed, its launcher settings resolved from its own config and checked
-    (`settings_of(config)`: the settings and a line to log once), and its plan made: a bad
+    (`settings_of(config)`: the settings and lines to log once), and its plan made: a bad
     setting stops the sweep before any process starts. Shared by every way to run jobs."""
     assert launcher.task_function is not None
     pickled_task, task_error = pickle_task(launcher.task_function)
@@ -174,8 +174,8 @@ def compose_plans(
         plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
         plans.append(plan)
         configs[plan.idx] = config
-        notes.add(note)
-    for note in sorted(n for n in notes if n):
+        notes.update(note.splitlines() if note else ())
+    for note in sorted(notes):
         log.info(note)
     return ComposedSweep(plans, configs, task_error)
 
@@ -364,7 +364,8 @@ def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]"
     settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ, _keys_set(config))
     check_node_rank(settings)
     check_supported(settings)
-    return settings, note
+    notes = [line for line in (note, shadowed_redirects(settings.conf)) if line]
+    return settings, "\n".join(notes) or None
 
 
 def _keys_set(config: DictConfig) -> Set[str]:

@@ -240,6 +240,26 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
         raise _refuse("devices", conf.devices, "list each device id once")
 
 
+_STREAMS = {1: "stdout", 2: "stderr", 3: "stdout and stderr"}
+
+
+def shadowed_redirects(conf: TorchrunLauncherConf) -> Optional[str]:
+    """One line when `redirects` keeps a stream off the console that `tee` shows there all
+    the same (torch tees what both name): with the launcher's tee=3, a torchrun user's
+    `redirects=3` alone changes nothing. None otherwise (per-rank specs are taken as given)."""
+    redirects, tee = str(conf.redirects), str(conf.tee)
+    if not (redirects.isdigit() and tee.isdigit()):
+        return None
+    shown = int(redirects) & int(tee)
+    if not shown:
+        return None
+    return (
+        f"hydra.launcher.redirects={redirects}: the ranks' {_STREAMS[shown]} still show on the console, as "
+        f"hydra.launcher.tee={tee} (the launcher's default is 3) shows them; set tee=0 to keep them in "
+        "the files only"
+    )
+
+
 def check_node_rank(settings: JobSettings) -> None:
     """A static rendezvous's node rank is one of its nodes (checked once the cluster's values
     are in: a node rank past the last node would wait for a world that never forms)."""
