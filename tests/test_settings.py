@@ -96,6 +96,23 @@ def test_each_job_of_a_sweep_gets_its_own_rendezvous_on_a_free_port() -> None:
     assert len({first.run_id, second.run_id, other_sweep.run_id}) == 3
 
 
+def test_a_single_nodes_master_addr_is_honoured_with_its_port_and_refused_without() -> None:
+    """torchrun gives a single node's ranks its --master-addr (a static rendezvous there); a
+    free port of localhost cannot honour an address, so the address alone is refused."""
+    with pytest.raises(
+        LauncherConfigError,
+        match=r"^hydra\.launcher\.master_addr=127\.0\.0\.3 needs hydra\.launcher\.master_port",
+    ):
+        _launch_config.rendezvous_for(settings(master_addr="127.0.0.3"), "/sweeps/a", 0)
+    static = _launch_config.rendezvous_for(
+        settings(master_addr="127.0.0.3", master_port=29577), "/sweeps/a", 0
+    )
+    assert (static.backend, static.endpoint) == ("static", "127.0.0.3:29577")
+    # --standalone: torchrun's own localhost rendezvous, whatever master_addr says
+    alone = _launch_config.rendezvous_for(settings(master_addr="127.0.0.3", standalone=True), "/sweeps/a", 0)
+    assert (alone.backend, alone.endpoint) == ("c10d", "localhost:0")
+
+
 # a value other than the default for every key that a LaunchConfig field carries
 SET_VALUES = {
     "log_line_prefix_template": "[{rank}]",

@@ -76,6 +76,14 @@ def rendezvous_for(settings: JobSettings, sweep_key: str, job_num: int) -> Rende
         and conf.master_port is None
         and settings.max_nodes == 1
     )
+    if single_node_default and not conf.standalone and conf.master_addr != TorchrunLauncherConf.master_addr:
+        # torchrun's static rendezvous would meet at master_addr:29500 and give it to the ranks
+        # as MASTER_ADDR; a free port of localhost (c10d) cannot honour the address
+        raise LauncherConfigError(
+            f"hydra.launcher.master_addr={conf.master_addr} needs hydra.launcher.master_port on a single "
+            "node (the ranks meet at master_addr:master_port); leave master_addr at its default for a "
+            "rendezvous on a free port of this host"
+        )
     if conf.standalone or single_node_default:
         return Rendezvous("c10d", "localhost:0", run_id, configs)
     if conf.rdzv_backend == "static":
