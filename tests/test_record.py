@@ -476,6 +476,30 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "torchrun_slurm"])
+def test_ctrl_c_while_jobs_are_composed_ends_with_one_line_and_status_130(
+    tmp_path: Path, launcher: str
+) -> None:
+    """Python's own Ctrl-C before any job runs (no handler of the launcher's yet): one line, as
+    during the jobs, not a traceback through the launcher."""
+    app_dir = _install(tmp_path, RECORD_APP)
+    stopped = _run(
+        app_dir,
+        "-m",
+        "hydra.sweep.dir=sweep",
+        f"hydra/launcher={launcher}",
+        "lr=0.1,0.2",
+        STOP_AT="0",
+        STOP_WITH="SIGINT",
+        STOP_ONCE=str(tmp_path / "once"),
+    )
+    assert stopped.returncode == 130, stopped.stdout
+    assert "Traceback" not in stopped.stdout and not _ranks_ran(stopped.stdout), stopped.stdout
+    assert stopped.stdout.rstrip().splitlines()[-1] == (
+        "[torchrun launcher] SIGINT: the sweep was stopped while no job of it was running"
+    ), stopped.stdout
+
+
 def test_sigusr1_as_the_stop_signal_is_taken_with_one_warning(tmp_path: Path) -> None:
     app_dir = _install(tmp_path, RECORD_APP)
     result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2", "hydra.launcher.stop_signal=SIGUSR1")

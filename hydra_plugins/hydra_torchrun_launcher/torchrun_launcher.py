@@ -6,7 +6,7 @@ it) is imported only when a sweep is launched. Hydra 1.4 may load it alone, thro
 """
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
@@ -74,8 +74,11 @@ class TorchrunLauncher(Launcher):
         from ._launcher import core
 
         assert self.preload is not None
-        return core.launch(
-            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=self.preload
+        preload = self.preload
+        return _one_line_on_ctrl_c(
+            lambda: core.launch(
+                launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
+            )
         )
 
 
@@ -92,4 +95,22 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._submit import submit
 
-        return submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return _one_line_on_ctrl_c(
+            lambda: submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        )
+
+
+def _one_line_on_ctrl_c(launch: Callable[[], Sequence[JobReturn]]) -> Sequence[JobReturn]:
+    """`launch()`; a Ctrl-C that Python's default handler turns into KeyboardInterrupt (while
+    jobs are composed, the warm server is awaited or jobs are submitted: no job of ours runs,
+    as the launcher handles the signal itself while they do) ends the app with one line and
+    exit status 130, as one while jobs run does, not with a traceback through the launcher."""
+    try:
+        return launch()
+    except KeyboardInterrupt:
+        import signal
+
+        from ._launcher.pool import SweepStopped, react_to_stop
+
+        react_to_stop(SweepStopped(signal.SIGINT), "the sweep was stopped while no job of it was running")
+        raise

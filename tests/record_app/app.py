@@ -50,7 +50,7 @@ _LAUNCHER_PID = os.getpid()
 
 def _stop_at(num: str) -> str:
     """Resolved when the launcher composes a job (its env_set): sends the launcher its stop
-    signal, once, while it composes job number STOP_AT (as a preemption notice
+    signal (or STOP_WITH), once, while it composes job number STOP_AT (as a preemption notice
     that comes at that moment would). `${stop_at:validate}` (in a key Hydra reads as it
     composes, such as the override_dirname separators) does it while the sweeper validates
     its first batch, before it launches any."""
@@ -60,7 +60,7 @@ def _stop_at(num: str) -> str:
         return "0"
     if os.getpid() == _LAUNCHER_PID and str(num) == at and not once.exists():
         once.touch()
-        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("STOP_WITH", "SIGUSR2")))
     return "0"
 
 
