@@ -144,7 +144,10 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
     # true: the same sweep resumes, finished or not: the failed job is retried, job 0 kept
     resumed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
     assert resumed.returncode == 0, resumed.stdout
-    assert "1 completed job(s) come from its record (#0)" in resumed.stdout, resumed.stdout
+    assert (
+        "1 completed job(s) come from its record (#0), 0 unfinished job(s) continue, "
+        "1 failed or not started run again (#1)"
+    ) in resumed.stdout, resumed.stdout
     assert "Launching 1 jobs" in resumed.stdout, resumed.stdout
     assert _ranks_ran(resumed.stdout) == ["train_a lr=0.2"], resumed.stdout
     # rerun.sh of a job that a resume=true run ran works (a rerun has no record to resume)

@@ -275,6 +275,10 @@ def log_resumption(sweep_dir: Path, found: Resumption, in_place: Set[int]) -> No
     done = sorted(found.completed)
     afresh = sorted(found.preempted - in_place)
     again = f", {len(afresh)} run afresh{_listed(afresh)}" if afresh else ""
+    # failed, never started, or completed with a return that cannot be trusted
+    others = sorted(set(found.recorded) - set(found.completed) - found.preempted)
+    if others:
+        again += f", {len(others)} failed or not started run again{_listed(others)}"
     log.info(
         f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
         f"{len(done)} completed job(s) come from its record{_listed(done)}, "
