@@ -496,6 +496,34 @@ def test_launcher_signal_handlers_are_the_same_after_its_jobs(
         )
 
 
+@pytest.mark.timeout(180)
+def test_python_s_own_ctrl_c_and_sigterm_are_back_after_a_sweep(
+    hydra_sweep_runner: Any, tmp_path: Path
+) -> None:
+    """The launcher's one-line Ctrl-C and SIGTERM while no job runs end with the sweep: an app
+    (or a notebook) that goes on after `--multirun` has Python's defaults again."""
+    originals = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        sweep = hydra_sweep_runner(
+            calling_file=__file__,
+            calling_module=None,
+            task_function=_in_process_task,
+            config_path=None,
+            config_name=None,
+            overrides=[*LAUNCHER, "+mode=ok"],
+            temp_dir=tmp_path / "multirun",
+        )
+        with sweep:
+            pass
+        after = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    finally:
+        for sig, handler in originals.items():
+            signal.signal(sig, handler)
+    assert after == (signal.default_int_handler, signal.SIG_DFL), after
+
+
 # --- 5. ports ------------------------------------------------------------------------------
 
 

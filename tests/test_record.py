@@ -479,12 +479,21 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
     assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "COMPLETED"]
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "torchrun_slurm"])
-def test_ctrl_c_while_jobs_are_composed_ends_with_one_line_and_status_130(
-    tmp_path: Path, launcher: str
+@pytest.mark.parametrize(
+    "launcher, sig, stop_at, batch",
+    [
+        ("torchrun", "SIGINT", "0", []),
+        ("torchrun", "SIGTERM", "0", []),
+        # while Hydra's sweeper validates its batch, before the launcher's first launch
+        ("torchrun", "SIGINT", "validate", ["hydra.job.config.override_dirname.kv_sep=${stop_at:validate}"]),
+        ("torchrun_slurm", "SIGINT", "0", []),
+    ],
+)
+def test_ctrl_c_or_sigterm_while_no_job_runs_ends_with_one_line_and_its_status(
+    tmp_path: Path, launcher: str, sig: str, stop_at: str, batch: List[str]
 ) -> None:
-    """Python's own Ctrl-C before any job runs (no handler of the launcher's yet): one line, as
-    during the jobs, not a traceback through the launcher."""
+    """Python's own Ctrl-C (or SIGTERM's default) before any job runs: one line, as during
+    the jobs, not a traceback through Hydra and the launcher (or a silent end)."""
     app_dir = _install(tmp_path, RECORD_APP)
     stopped = _run(
         app_dir,
@@ -492,14 +501,15 @@ def test_ctrl_c_while_jobs_are_composed_ends_with_one_line_and_status_130(
         "hydra.sweep.dir=sweep",
         f"hydra/launcher={launcher}",
         "lr=0.1,0.2",
-        STOP_AT="0",
-        STOP_WITH="SIGINT",
+        *batch,
+        STOP_AT=stop_at,
+        STOP_WITH=sig,
         STOP_ONCE=str(tmp_path / "once"),
     )
-    assert stopped.returncode == 130, stopped.stdout
+    assert stopped.returncode == 128 + getattr(signal, sig), stopped.stdout
     assert "Traceback" not in stopped.stdout and not _ranks_ran(stopped.stdout), stopped.stdout
     assert stopped.stdout.rstrip().splitlines()[-1] == (
-        "[torchrun launcher] SIGINT: the sweep was stopped while no job of it was running"
+        f"[torchrun launcher] {sig}: the sweep was stopped while no job of it was running"
     ), stopped.stdout
 
 

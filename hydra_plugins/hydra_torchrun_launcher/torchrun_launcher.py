@@ -6,7 +6,7 @@ it) is imported only when a sweep is launched. Hydra 1.4 may load it alone, thro
 """
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
@@ -47,6 +47,7 @@ class TorchrunLauncher(Launcher):
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function
+        self._handle_stops_while_no_job_runs()
         if self.notice is None and self.takes_stop_notice:
             # the stop signal is a notice from now on, for the whole sweep: one that comes while
             # the sweeper validates its first batch ends the sweep preempted, not killed
@@ -55,6 +56,16 @@ class TorchrunLauncher(Launcher):
             self.notice = sweep_notice(None, sweep_stop_signal(config), hydra_context.callbacks)
         if self.uses_warm_server:
             self._start_warm_server()
+
+    def _handle_stops_while_no_job_runs(self) -> None:
+        """Ctrl-C or SIGTERM before, between or after the jobs: one line, not a traceback."""
+        if getattr(self, "_stops_handled", False):
+            return
+        self._stops_handled = True
+        from ._launcher.preempt import handle_stops_while_no_job_runs
+
+        callbacks = self.hydra_context.callbacks if self.hydra_context is not None else None
+        handle_stops_while_no_job_runs(self, callbacks)
 
     def _start_warm_server(self) -> None:
         """Start the warm server once, at set-up: its imports (torch, the app's packages) then
@@ -74,11 +85,8 @@ class TorchrunLauncher(Launcher):
         from ._launcher import core
 
         assert self.preload is not None
-        preload = self.preload
-        return _one_line_on_ctrl_c(
-            lambda: core.launch(
-                launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=preload
-            )
+        return core.launch(
+            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=self.preload
         )
 
 
@@ -95,22 +103,4 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from ._submit import submit
 
-        return _one_line_on_ctrl_c(
-            lambda: submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
-        )
-
-
-def _one_line_on_ctrl_c(launch: Callable[[], Sequence[JobReturn]]) -> Sequence[JobReturn]:
-    """`launch()`; a Ctrl-C that Python's default handler turns into KeyboardInterrupt (while
-    jobs are composed, the warm server is awaited or jobs are submitted: no job of ours runs,
-    as the launcher handles the signal itself while they do) ends the app with one line and
-    exit status 130, as one while jobs run does, not with a traceback through the launcher."""
-    try:
-        return launch()
-    except KeyboardInterrupt:
-        import signal
-
-        from ._launcher.pool import SweepStopped, react_to_stop
-
-        react_to_stop(SweepStopped(signal.SIGINT), "the sweep was stopped while no job of it was running")
-        raise
+        return submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)

@@ -33,7 +33,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from .._job.failures import JobFailedError
 from .._server.server import WarmServer
 from .._shared.signals import group_signals, handled_by
-from .preempt import StopNotice
+from .preempt import StopNotice, StopWhileNoJobRuns
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,11 @@ def react_to_stop(stopped: SweepStopped, summary: str) -> None:
     """
     sig = signal.Signals(stopped.signum)
     handler = signal.getsignal(sig)
-    if callable(handler) and handler is not signal.default_int_handler:
+    if (
+        callable(handler)
+        and handler is not signal.default_int_handler
+        and not isinstance(handler, StopWhileNoJobRuns)
+    ):
         handler(sig, None)
         return
     print(f"[torchrun launcher] {sig.name}: {summary}", file=sys.stderr, flush=True)

@@ -91,9 +91,61 @@ def sweep_stop_signal(config: DictConfig) -> Optional[int]:
     return named[0] if len(named) == 1 and named[0] not in forbidden else None
 
 
-# the notices installed, by the token their release callback holds
-_INSTALLED: Dict[int, StopNotice] = {}
+# the notices (and stop handlers) installed, by the token their release callback holds
+_INSTALLED: Dict[int, Any] = {}
 _TOKENS = itertools.count()
+
+
+class StopWhileNoJobRuns:
+    """Ctrl-C or SIGTERM while no job of the sweep runs: Hydra's sweeper composes a batch, the
+    launcher composes its jobs or waits for its warm server, a sweeper is between batches.
+    One line and the status a shell expects (128 + the signal), as when jobs run, instead
+    of a traceback (Python's KeyboardInterrupt) or a silent end (SIGTERM's default). The
+    record, if the sweep has one, says the run did not reach its end (it resumes). While
+    jobs run, the job pool (or the SLURM submission) handles the signals and puts this back."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.launcher = launcher
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        report = getattr(self.launcher, "report", None)
+        if report is not None:
+            report.interrupted = True
+            report.write()
+        sig = signal.Signals(signum)
+        line = f"[torchrun launcher] {sig.name}: the sweep was stopped while no job of it was running"
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(128 + sig)
+
+
+class _Handling:
+    """Handlers installed until `release` (the previous ones back then)."""
+
+    def __init__(self, handler: Callable[[int, Any], Any], signals: List[int]) -> None:
+        self._handling = handled_by(handler, signals)
+        self._handling.__enter__()
+
+    def release(self) -> None:
+        handling, self._handling = self._handling, None
+        if handling is not None:
+            handling.__exit__(None, None, None)
+
+
+def handle_stops_while_no_job_runs(launcher: Any, callbacks: Any) -> None:
+    """`StopWhileNoJobRuns` for SIGINT and SIGTERM where each is at Python's default (an app's
+    own handler, or a signal ignored, is left alone), from the launcher's set-up to the
+    sweep's end (`on_multirun_end` of Hydra's `callbacks`; else the process's exit)."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    signals = [sig for sig, default in defaults.items() if signal.getsignal(sig) == default]
+    _release_at_sweep_end(_Handling(StopWhileNoJobRuns(launcher), signals), callbacks)
+
+
+def _release_at_sweep_end(installed: Any, callbacks: Any) -> None:
+    token = next(_TOKENS)
+    _INSTALLED[token] = installed
+    registered = getattr(callbacks, "callbacks", None)
+    if isinstance(registered, list):
+        registered.append(ReleaseAtSweepEnd(token))
 
 
 def sweep_notice(existing: Optional[StopNotice], signum: Optional[int], callbacks: Any) -> StopNotice:
@@ -106,17 +158,13 @@ def sweep_notice(existing: Optional[StopNotice], signum: Optional[int], callback
         return existing
     notice = StopNotice(signum)
     notice.install()
-    token = next(_TOKENS)
-    _INSTALLED[token] = notice
-    registered = getattr(callbacks, "callbacks", None)
-    if isinstance(registered, list):
-        registered.append(ReleaseAtSweepEnd(token))
+    _release_at_sweep_end(notice, callbacks)
     return notice
 
 
 class ReleaseAtSweepEnd(Callback):
-    """Hydra's callback that ends a sweep's stop notice. It travels with the sweep's callbacks
-    to every job's process, which has no notice: there it does nothing."""
+    """Hydra's callback that ends a sweep's stop notice (or stop handlers). It travels with the
+    sweep's callbacks to every job's process, which has none: there it does nothing."""
 
     def __init__(self, token: int) -> None:
         self.token = token
