@@ -164,8 +164,12 @@ def test_a_variable_the_installed_torchrun_does_not_read_is_ignored_as_it_ignore
         assert line is not None and "ignored" not in line, line
 
 
-def test_empty_variables_count_as_unset():
-    assert inspect_environment("auto", {"PET_NNODES": "", "PET_NODE_RANK": ""}).pet is None
+def test_an_empty_variable_is_set_as_torchrun_reads_it():
+    """torchrun takes an empty PET_ variable as given: an empty role, an int that is not one."""
+    conf = resolve_cluster(settings(), {"PET_ROLE": ""})[0].conf
+    assert conf.role == ""
+    with pytest.raises(LauncherConfigError, match=r"^PET_MAX_RESTARTS='' is not an int"):
+        resolve_cluster(settings(), {"PET_MAX_RESTARTS": ""})
 
 
 @pytest.mark.parametrize(

@@ -644,3 +644,15 @@ def test_the_torchrun_line_runs_the_task_under_its_launch_prefix(tmp_path: Path)
     assert run.returncode == 0, run.stdout + run.stderr
     # the job ran through its prefix, in its job dir (Hydra's run mode applies env_set itself)
     assert (app_dir / "sweep" / "0" / "rank0.txt").read_text() == "1 job0 0.1\n"
+
+
+def test_a_pet_variable_torch_itself_cannot_parse_is_refused_in_one_line_naming_it(tmp_path: Path) -> None:
+    """torch's own parser reads PET_STANDALONE as an int as it is built (plain torchrun ends
+    with a traceback there); the launcher names the variable in one line, before any rank."""
+    app_dir = _install(tmp_path)
+    for args in ([], ["hydra.launcher.dry_run=true"]):
+        result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "world=1", *args, PET_STANDALONE="true")
+        assert result.returncode == 1, result.stdout
+        assert _error(result.stdout) == (
+            "job #0 (world=1): PET_STANDALONE='true' is not 0 or 1 (torchrun reads it as --standalone)"
+        ), result.stdout

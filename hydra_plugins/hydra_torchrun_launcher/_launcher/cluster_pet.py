@@ -51,7 +51,7 @@ def variable(key: str) -> str:
 
 def present(environ: Mapping[str, str]) -> Optional[str]:
     """The PET_* variables set here, as a few words, or None."""
-    names = [variable(key) for key in PET_KEYS if environ.get(variable(key))]
+    names = [variable(key) for key in PET_KEYS if variable(key) in environ]
     return f"torchrun's {', '.join(names)}" if names else None
 
 
@@ -59,16 +59,17 @@ def inspect(required: bool, environ: Mapping[str, str]) -> Detection:
     """The PET_* values by launcher key, each converted as torchrun converts it; the ones the
     installed torchrun does not read are ignored, with a note naming them.
 
-    An empty variable counts as unset. `required` (cluster: pet): none set is an error.
+    An empty variable is set, as torchrun reads it (an empty role, an int that is not one).
+    `required` (cluster: pet): none set is an error.
     """
     values: ValuesFound = {}
     read = read_here()
     for key in read:
         name = variable(key)
         text = environ.get(name)
-        if text:
+        if text is not None:
             values[key] = (name, text, _converted(key, name, text))
-    unread = [variable(key) for key in PET_KEYS if key not in read and environ.get(variable(key))]
+    unread = [variable(key) for key in PET_KEYS if key not in read and variable(key) in environ]
     note = (
         f"{', '.join(unread)} ignored: the installed torchrun does not read "
         f"{'it' if len(unread) == 1 else 'them'} (a newer one does)"

@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
@@ -226,7 +226,7 @@ class SweepReport:
             nums = [n for n in self._batch if self.outcomes[n].status == status]
             if not nums:
                 continue
-            listed = ", ".join(f"#{n}" for n in nums)
+            listed = job_numbers(nums)
             if status == PREEMPTED:
                 dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
                 parts.append(f"preempted {listed} (continues in {dirs})")
@@ -236,6 +236,18 @@ class SweepReport:
             else:
                 parts.append(f"{_word(status)} {listed}")
         return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
+
+
+def job_numbers(nums: Iterable[int]) -> str:
+    """Job numbers as a line says them, runs shortened: "#0, #2-#299" (a stopped sweep of
+    300 jobs says so in a few words, not 299 numbers)."""
+    runs: List[List[int]] = []
+    for num in sorted(nums):
+        if runs and num == runs[-1][1] + 1:
+            runs[-1][1] = num
+        else:
+            runs.append([num, num])
+    return ", ".join(f"#{a}" if a == b else f"#{a}, #{b}" if b == a + 1 else f"#{a}-#{b}" for a, b in runs)
 
 
 def _word(status: str) -> str:

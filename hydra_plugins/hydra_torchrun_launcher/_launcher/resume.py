@@ -45,7 +45,17 @@ from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .durable import replace_whole
-from .report import COMPLETED, PREEMPTED, RUNNING, STOPPED, SUMMARY_FILE, JobOutcome, Record, strict_json
+from .report import (
+    COMPLETED,
+    PREEMPTED,
+    RUNNING,
+    STOPPED,
+    SUMMARY_FILE,
+    JobOutcome,
+    Record,
+    job_numbers,
+    strict_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +503,7 @@ def fingerprint(task: str, task_cfg: DictConfig, settings: Any, env_set: Mapping
 
 def _listed(nums: Iterable[int]) -> str:
     nums = list(nums)
-    return f" ({', '.join(f'#{n}' for n in nums)})" if nums else ""
+    return f" ({job_numbers(nums)})" if nums else ""
 
 
 def save_return(job_dir: Path, job_return: JobReturn) -> None:

@@ -254,7 +254,8 @@ def shadowed_redirects(conf: TorchrunLauncherConf) -> Optional[str]:
     if not shown:
         return None
     return (
-        f"hydra.launcher.redirects={redirects}: the ranks' {_STREAMS[shown]} still show on the console, as "
+        f"hydra.launcher.redirects={redirects}: the ranks' {_STREAMS[shown]} still "
+        f"{'show' if shown == 3 else 'shows'} on the console, as "
         f"hydra.launcher.tee={tee} (the launcher's default is 3) shows them; set tee=0 to keep them in "
         "the files only"
     )

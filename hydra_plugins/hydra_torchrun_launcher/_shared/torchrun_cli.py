@@ -10,6 +10,7 @@ where it (or torch's `env` actions) is missing the callers fall back as they say
 """
 
 import functools
+import os
 from typing import Optional
 
 
@@ -39,6 +40,14 @@ def read_from_pet_variables() -> "Optional[frozenset[str]]":
 
 
 def _actions() -> "Optional[list]":
+    """The parser's actions, built without this environment's PET_* variables: torch's `env`
+    actions read them as the parser is built, and one that is not a number where a number is
+    meant (PET_STANDALONE=true) raises there; the launcher reads and checks them itself
+    (`_launcher.cluster_pet`), naming the variable."""
     from torch.distributed.run import get_args_parser
 
-    return getattr(get_args_parser(), "_actions", None)
+    hidden = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("PET_")}
+    try:
+        return getattr(get_args_parser(), "_actions", None)
+    finally:
+        os.environ.update(hidden)
