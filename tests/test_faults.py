@@ -451,6 +451,19 @@ def _in_process_task(cfg: DictConfig) -> Any:
     return int(os.environ["RANK"])
 
 
+def _in_process_sweep(hydra_sweep_runner: Any, tmp_path: Path, *overrides: str) -> Any:
+    """A sweep of `_in_process_task` in this process, with the launcher and `overrides`."""
+    return hydra_sweep_runner(
+        calling_file=__file__,
+        calling_module=None,
+        task_function=_in_process_task,
+        config_path=None,
+        config_name=None,
+        overrides=[*LAUNCHER, *overrides],
+        temp_dir=tmp_path / "multirun",
+    )
+
+
 @pytest.mark.timeout(180)
 def test_launcher_signal_handlers_are_the_same_after_its_jobs(
     hydra_sweep_runner: Any, tmp_path: Path
@@ -466,19 +479,12 @@ def test_launcher_signal_handlers_are_the_same_after_its_jobs(
     for sig in watched:
         signal.signal(sig, _sentinel_handler)
     try:
-        sweep = hydra_sweep_runner(
-            calling_file=__file__,
-            calling_module=None,
-            task_function=_in_process_task,
-            config_path=None,
-            config_name=None,
-            overrides=[
-                *LAUNCHER,
-                "hydra.launcher.job_timeout=4",
-                "hydra.launcher.shutdown_timeout=1",
-                "+mode=ok,raise,sleep",
-            ],
-            temp_dir=tmp_path / "multirun",
+        sweep = _in_process_sweep(
+            hydra_sweep_runner,
+            tmp_path,
+            "hydra.launcher.job_timeout=4",
+            "hydra.launcher.shutdown_timeout=1",
+            "+mode=ok,raise,sleep",
         )
         with pytest.raises(Exception, match="boom"):  # the sweeper re-raises the first failed job
             with sweep:
@@ -506,15 +512,7 @@ def test_python_s_own_ctrl_c_and_sigterm_are_back_after_a_sweep(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        sweep = hydra_sweep_runner(
-            calling_file=__file__,
-            calling_module=None,
-            task_function=_in_process_task,
-            config_path=None,
-            config_name=None,
-            overrides=[*LAUNCHER, "+mode=ok"],
-            temp_dir=tmp_path / "multirun",
-        )
+        sweep = _in_process_sweep(hydra_sweep_runner, tmp_path, "+mode=ok")
         with sweep:
             pass
         after = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
