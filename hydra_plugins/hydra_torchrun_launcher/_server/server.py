@@ -18,7 +18,6 @@ the launcher decides what they mean, and each job process is given the launcher'
 dispositions back. It dies with the launcher (parent-death signal, or the socket closing).
 """
 
-import atexit
 import os
 import pickle
 import signal
@@ -323,38 +322,15 @@ class WarmServer:
             else:
                 self.exited[pid] = status
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """End the server: it exits when its socket closes (between jobs, as it is here; while
-        it still imports its preload, only once that is done); after `timeout` s it is killed."""
+    def close(self) -> None:
         self._sock.close()
-        try:
-            self._process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        self._process.wait()
 
 
 _server: Optional[WarmServer] = None
 _server_lock = threading.Lock()
 # modules found unfit to preload (see `_server.watch`): never preloaded again by this launcher
 _left_out: Set[str] = set()
-
-
-# how long the app's exit waits for an idle server to end by itself before it is killed
-_EXIT_WAIT_S = 2.0
-
-
-def _close_at_exit() -> None:
-    """The app ends: its server ends with it, reaped here, rather than by the parent-death
-    signal after the app has gone (no launcher process outlives the app's exit)."""
-    global _server
-    with _server_lock:
-        if _server is not None:
-            _server.close(timeout=_EXIT_WAIT_S)
-            _server = None
-
-
-atexit.register(_close_at_exit)
 
 
 def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:
