@@ -13,6 +13,7 @@ line saying how the sweep resumes, and the signal's exit status (128 + its numbe
 A second notice changes nothing: the ranks are already stopping, within `stop_timeout`.
 """
 
+import atexit
 import itertools
 import shutil
 import signal
@@ -137,7 +138,12 @@ def handle_stops_while_no_job_runs(launcher: Any, callbacks: Any) -> None:
     sweep's end (`on_multirun_end` of Hydra's `callbacks`; else the process's exit)."""
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     signals = [sig for sig, default in defaults.items() if signal.getsignal(sig) == default]
-    _release_at_sweep_end(_Handling(StopWhileNoJobRuns(launcher), signals), callbacks)
+    handling = _Handling(StopWhileNoJobRuns(launcher), signals)
+    _release_at_sweep_end(handling, callbacks)
+    # a sweep that ends by an exception (a failed job, a preemption's exit) has no
+    # on_multirun_end: the defaults are back as the process exits, so a signal that comes
+    # while the interpreter shuts down ends it as before, not inside an atexit callback
+    atexit.register(handling.release)
 
 
 def _release_at_sweep_end(installed: Any, callbacks: Any) -> None:
