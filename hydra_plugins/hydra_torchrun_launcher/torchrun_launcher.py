@@ -36,6 +36,8 @@ class TorchrunLauncher(Launcher):
         self.notice: Any = None
         # what the warm server imports besides torch (`preload`), chosen when it was started
         self.preload: Optional[tuple[str, ...]] = None
+        # whether the one-line Ctrl-C/SIGTERM handlers of the sweep are installed (at setup)
+        self._stops_handled = False
 
     def setup(
         self,
@@ -59,7 +61,7 @@ class TorchrunLauncher(Launcher):
 
     def _handle_stops_while_no_job_runs(self) -> None:
         """Ctrl-C or SIGTERM before, between or after the jobs: one line, not a traceback."""
-        if getattr(self, "_stops_handled", False):
+        if self._stops_handled:
             return
         self._stops_handled = True
         from ._launcher.preempt import handle_stops_while_no_job_runs
