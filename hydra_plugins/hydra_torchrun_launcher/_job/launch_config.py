@@ -117,7 +117,7 @@ def check_supported(settings: JobSettings) -> None:
     have = honoured_fields()
     for key, value in settings.changed_from_default().items():
         field_name = _FIELD_OF_KEY.get(key)
-        if field_name is not None and field_name not in have and not _means_the_default(key, value):
+        if field_name is not None and field_name not in have and not means_the_default(key, value):
             raise LauncherConfigError(
                 f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
                 f"{torch.__version__}; leave it at its default or upgrade torch"
@@ -141,7 +141,7 @@ def check_supported(settings: JobSettings) -> None:
         )
 
 
-def _means_the_default(key: str, value: Any) -> bool:
+def means_the_default(key: str, value: Any) -> bool:
     """A value spelled otherwise than the key's default that does what the default does,
     which a torch without the field does anyway: the same signals in another order, no
     filters as an empty list, torch's own name of its default event handler."""

@@ -148,7 +148,7 @@ def compose_plans(
     settings_of: Callable[[DictConfig], "tuple[JobSettings, Optional[str]]"],
 ) -> ComposedSweep:
     """Every job composed, its launcher settings resolved from its own config and checked
-    (`settings_of(config)`: the settings and lines to log once), and its plan made: a bad
+    (`settings_of(config)`: the settings and a line to log once), and its plan made: a bad
     setting stops the sweep before any process starts. Shared by every way to run jobs."""
     assert launcher.task_function is not None
     pickled_task, task_error = pickle_task(launcher.task_function)
@@ -174,7 +174,7 @@ def compose_plans(
         plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
         plans.append(plan)
         configs[plan.idx] = config
-        notes.update(note.splitlines() if note else ())
+        notes.update(line for line in (note, shadowed_redirects(settings.conf)) if line)
     for note in sorted(notes):
         log.info(note)
     return ComposedSweep(plans, configs, task_error)
@@ -364,8 +364,7 @@ def _checked_settings(config: DictConfig) -> "tuple[JobSettings, Optional[str]]"
     settings, note = resolve_cluster(resolve_settings(config.hydra.launcher), os.environ, _keys_set(config))
     check_node_rank(settings)
     check_supported(settings)
-    notes = [line for line in (note, shadowed_redirects(settings.conf)) if line]
-    return settings, "\n".join(notes) or None
+    return settings, note
 
 
 def _keys_set(config: DictConfig) -> Set[str]:

@@ -39,6 +39,19 @@ class StoppedBeforeJobs(Exception):
         self.signum = signum
 
 
+class _Handling:
+    """Handlers installed until `release` (the previous ones back then)."""
+
+    def __init__(self, handler: Callable[[int, Any], Any], signals: List[int]) -> None:
+        self._handling = handled_by(handler, signals)
+        self._handling.__enter__()
+
+    def release(self) -> None:
+        handling, self._handling = self._handling, None
+        if handling is not None:
+            handling.__exit__(None, None, None)
+
+
 class StopNotice:
     """The stop signal as the launcher receives it during one launch."""
 
@@ -48,6 +61,8 @@ class StopNotice:
         self.received = False
         # passes the signal on to the running jobs' processes (set by the job pool)
         self.forward: Callable[[int], Any] = lambda signum: None
+        # our handler of the stop signal, from `install` to `release`
+        self._listening: Optional[_Handling] = None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         self.received = True
@@ -71,14 +86,13 @@ class StopNotice:
     def install(self) -> None:
         """Our handler for the stop signal until `release` (main thread only; a launcher
         that ignores the signal keeps ignoring it, and so do its jobs)."""
-        self._listening = handled_by(self._handle, [] if self.signum is None else [self.signum])
-        self._listening.__enter__()
+        self._listening = _Handling(self._handle, [] if self.signum is None else [self.signum])
 
     def release(self) -> None:
         """The launcher's own handler of the stop signal back."""
-        listening, self._listening = getattr(self, "_listening", None), None
+        listening, self._listening = self._listening, None
         if listening is not None:
-            listening.__exit__(None, None, None)
+            listening.release()
 
 
 def sweep_stop_signal(config: DictConfig) -> Optional[int]:
@@ -117,19 +131,6 @@ class StopWhileNoJobRuns:
         line = f"[torchrun launcher] {sig.name}: the sweep was stopped while no job of it was running"
         print(line, file=sys.stderr, flush=True)
         raise SystemExit(128 + sig)
-
-
-class _Handling:
-    """Handlers installed until `release` (the previous ones back then)."""
-
-    def __init__(self, handler: Callable[[int, Any], Any], signals: List[int]) -> None:
-        self._handling = handled_by(handler, signals)
-        self._handling.__enter__()
-
-    def release(self) -> None:
-        handling, self._handling = self._handling, None
-        if handling is not None:
-            handling.__exit__(None, None, None)
 
 
 def handle_stops_while_no_job_runs(launcher: Any, callbacks: Any) -> None:

@@ -26,11 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from .._job.agent import job_log_dir, script_command, script_path
-from .._job.launch_config import prefix_template
+from .._job.launch_config import means_the_default, prefix_template
 from .._shared.plan import JobPlan
-from .._shared.signals import signals_named
 from .._shared.torchrun_cli import read_from_pet_variables, torchrun_options
-from ..config import TorchrunLauncherConf
 from .resume import PlannedResumption
 
 RERUN_SCRIPT = "rerun.sh"
@@ -107,9 +105,10 @@ def job_environment(plan: JobPlan, devices: Optional[List[str]]) -> Dict[str, st
     return env
 
 
-def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List[str]]:
-    """The job as one `torchrun` command line (the flags this torch's torchrun knows), and
-    the job's settings that the line cannot express (named, so nobody takes it for the job)."""
+def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List[str], Dict[str, str]]:
+    """The job as one `torchrun` command line (the flags this torch's torchrun knows), the
+    job's settings that the line cannot express (named, so nobody takes it for the job), and
+    the variables that give torchrun what it takes from its environment for want of a flag."""
     conf = plan.settings.conf
     rdzv = plan.rendezvous
     rdzv_conf = {k: v for k, v in rdzv.configs.items() if k != "rank"}
@@ -143,23 +142,33 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
     known = torchrun_options()
     command = ["torchrun"]
     missing = []
+    through_environment: Dict[str, str] = {}
     for flag, value in flags:
         if value is None:
             continue
         if known is not None and flag not in known:
-            if flag not in _IN_THE_ENVIRONMENT and not _as_without_the_option(flag, value):
+            if flag in _IN_THE_ENVIRONMENT:
+                through_environment[_IN_THE_ENVIRONMENT[flag]] = str(value)
+            elif not _as_without_the_option(flag, value):
                 missing.append(f"{flag} (this torch's torchrun has no such option)")
         else:
             command.append(flag if value is True else f"{flag}={value}")
     per_rank = [a for a in [*conf.launch_prefix, *conf.training_script_args] if _PER_RANK.search(a)]
     if per_rank:
         missing.append(f"{{rank}}/{{local_rank}} in {' '.join(per_rank)} (replaced per rank by the launcher)")
+    return command + _what_runs(plan, config), missing, through_environment
+
+
+def _what_runs(plan: JobPlan, config: DictConfig) -> List[str]:
+    """What the torchrun line runs after its flags: the training script, or the app in
+    Hydra's run mode (under the launch prefix, if any)."""
+    conf = plan.settings.conf
     if conf.training_script is not None:
         if conf.launch_prefix:
-            return command + ["--no-python", *conf.launch_prefix, *script_command(plan)], missing
+            return ["--no-python", *conf.launch_prefix, *script_command(plan)]
         options = (("--module", conf.module), ("--no-python", conf.no_python), ("--run-path", conf.run_path))
         flags = [flag for flag, on in options if on]
-        return command + flags + [script_path(plan), *conf.training_script_args], missing
+        return flags + [script_path(plan), *conf.training_script_args]
     app = app_command()
     overrides = _without(_hydra_overrides(config), _LAUNCHER_OVERRIDES)
     # Hydra's run mode in every rank (whatever hydra.mode the config sets), in the job's
@@ -168,9 +177,9 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
     run = [f"hydra.run.dir={run_dir}", f"hydra.job.num={plan.idx}", "hydra.mode=RUN"]
     app_args = [*config_options(), *overrides, *plan.overrides, *run]
     if conf.launch_prefix:
-        return command + ["--no-python", *conf.launch_prefix, *app, *app_args], missing
+        return ["--no-python", *conf.launch_prefix, *app, *app_args]
     script = ["--module", app[2]] if app[1] == "-m" else [app[1]]
-    return command + script + app_args, missing
+    return script + app_args
 
 
 def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:
@@ -230,10 +239,10 @@ def plain_torchrun_line(
         if conf.module:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
-    command, missing = torchrun_command(plan, config)
-    unset, added = _torchrun_environment(conf)
-    env.update(added)
-    shown = [word for name in unset for word in ("-u", name)] + [f"{k}={v}" for k, v in env.items()]
+    command, missing, through_environment = torchrun_command(plan, config)
+    env.update(through_environment)
+    shown = [word for name in _pet_variables_read_here() for word in ("-u", name)]
+    shown += [f"{k}={v}" for k, v in env.items()]
     return cd + " ".join(bash_word(word) for word in (["env", *shown] if shown else []) + command), missing
 
 
@@ -276,24 +285,18 @@ def _hydra_value(value: str, interpolation: str = "") -> str:
     return "'" + quoted + interpolation + "'"
 
 
-# what a torchrun without the option does: the same value needs no flag there (the key's
-# default is the set torch's agent handles where it has no such field; before 2.12 torch's
-# agent gives stopped ranks 30 s)
-_WITHOUT_THE_OPTION = {
-    "--signals-to-handle": TorchrunLauncherConf.signals_to_handle,
-    "--shutdown-timeout": 30,
-}
+# what a torchrun without the option does besides the key's default: before 2.12 torch's
+# agent gives stopped ranks 30 s
+_WITHOUT_THE_OPTION = {"--shutdown-timeout": 30}
 # options an older torchrun takes from a variable instead (torch's agent reads it)
 _IN_THE_ENVIRONMENT = {"--log-line-prefix-template": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"}
 
 
 def _as_without_the_option(flag: str, value: Any) -> bool:
-    """Whether a torchrun without `flag` does what `value` asks (signals in any order)."""
-    if flag not in _WITHOUT_THE_OPTION:
-        return False
-    if flag == "--signals-to-handle":
-        return set(signals_named(value)) == set(signals_named(_WITHOUT_THE_OPTION[flag]))
-    return value == _WITHOUT_THE_OPTION[flag]
+    """Whether a torchrun without `flag` does what `value` asks: the key's default, however
+    spelled (`means_the_default`, as for a key torch lacks), or what torch does anyway."""
+    key = flag[2:].replace("-", "_")
+    return value == _WITHOUT_THE_OPTION.get(flag) or means_the_default(key, value)
 
 
 def _prefix_template_of(conf: Any) -> Optional[str]:
@@ -302,19 +305,12 @@ def _prefix_template_of(conf: Any) -> Optional[str]:
     return prefix_template(conf) if conf.log_line_prefix_template else None
 
 
-def _torchrun_environment(conf: Any) -> "tuple[List[str], Dict[str, str]]":
-    """What the line changes in torchrun's environment: the PET_* variables the installed
-    torchrun would read from this shell unset (the line gives every setting of the job, and
-    a variable would override torchrun's default where the line leaves one out), and the
-    options it takes from a variable where it has no flag for them."""
+def _pet_variables_read_here() -> List[str]:
+    """The PET_* variables of this shell that the installed torchrun would read: the line
+    unsets them (it gives every setting of the job, and a variable would override torchrun's
+    default where the line leaves one out)."""
     read = read_from_pet_variables() or frozenset()
-    unset = sorted(name for key in read if (name := f"PET_{key.upper()}") in os.environ)
-    known = torchrun_options()
-    added = {}
-    template = _prefix_template_of(conf)
-    if template is not None and known is not None and "--log-line-prefix-template" not in known:
-        added[_IN_THE_ENVIRONMENT["--log-line-prefix-template"]] = template
-    return unset, added
+    return sorted(name for key in read if (name := f"PET_{key.upper()}") in os.environ)
 
 
 def dry_run_plan(
