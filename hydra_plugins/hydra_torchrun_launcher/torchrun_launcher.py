@@ -84,17 +84,16 @@ class TorchrunLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         self._start_warm_server()  # Hydra's sweepers call `setup` first; a caller that did not
-        from ._launcher import core
+        from ._launcher import driver
+        from ._launcher.local_runner import LocalRunner
 
         assert self.preload is not None
-        return core.launch(
-            launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx, preload=self.preload
-        )
+        return driver.launch(self, job_overrides, initial_job_idx, LocalRunner(self, self.preload))
 
 
 class TorchrunSlurmLauncher(TorchrunLauncher):
     """`hydra/launcher=torchrun_slurm`: each job submitted to SLURM from a login node, one
-    task per node running the job's elastic agent there (`_submit.submit`)."""
+    task per node running the job's elastic agent there (`_submit.slurm_runner`)."""
 
     # no stop notice here: the stop signal is SLURM's to send to the jobs' nodes, and a
     # launcher on a login node keeps its default dispositions
@@ -103,6 +102,7 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
     uses_warm_server = False
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from ._submit import submit
+        from ._launcher import driver
+        from ._submit.slurm_runner import SlurmRunner
 
-        return submit.launch(launcher=self, job_overrides=job_overrides, initial_job_idx=initial_job_idx)
+        return driver.launch(self, job_overrides, initial_job_idx, SlurmRunner(self))

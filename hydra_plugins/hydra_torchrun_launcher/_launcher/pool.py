@@ -20,7 +20,6 @@ import logging
 import os
 import selectors
 import signal
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from .._job.failures import JobFailedError
 from .._server.server import WarmServer
 from .._shared.signals import group_signals, handled_by
-from .preempt import StopNotice, StopWhileNoJobRuns
+from .preempt import StopNotice, SweepStopped
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +69,6 @@ class RunningJob:
     devices: Optional[List[str]]
     kill_after: Optional[float]  # monotonic time after which the job process is killed
     data: List[bytes] = field(default_factory=list)
-
-
-class SweepStopped(BaseException):
-    """Raised after a stop signal, once every running job has stopped."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 def run_jobs(
@@ -233,23 +224,3 @@ class _StopRequest:
         """Our handler for the group signals the launcher does not ignore (main thread only)."""
         with handled_by(self._handle, [sig for sig in group_signals() if sig != self._stop_signal]):
             yield
-
-
-def react_to_stop(stopped: SweepStopped, summary: str) -> None:
-    """After a stop: what the signal would have done to the launcher without its jobs.
-
-    The launcher's handlers are back. The app's own handler is called; Python's default
-    Ctrl-C and a default SIGTERM end the launcher with one line instead of a traceback,
-    with the exit status a shell expects (128 + the signal's number).
-    """
-    sig = signal.Signals(stopped.signum)
-    handler = signal.getsignal(sig)
-    if (
-        callable(handler)
-        and handler is not signal.default_int_handler
-        and not isinstance(handler, StopWhileNoJobRuns)
-    ):
-        handler(sig, None)
-        return
-    print(f"[torchrun launcher] {sig.name}: {summary}", file=sys.stderr, flush=True)
-    raise SystemExit(128 + sig)

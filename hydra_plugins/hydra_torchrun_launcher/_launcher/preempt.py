@@ -39,6 +39,14 @@ class StoppedBeforeJobs(Exception):
         self.signum = signum
 
 
+class SweepStopped(BaseException):
+    """Raised after a stop signal, once every running job has stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class _Handling:
     """Handlers installed until `release` (the previous ones back then)."""
 
@@ -244,3 +252,23 @@ def requeue_slurm_job(environ: Mapping[str, str], job_id: Optional[str] = None) 
 
 def _scontrol(command: List[str]) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(command, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=False)
+
+
+def react_to_stop(stopped: SweepStopped, summary: str) -> None:
+    """After a stop: what the signal would have done to the launcher without its jobs.
+
+    The launcher's handlers are back. The app's own handler is called; Python's default
+    Ctrl-C and a default SIGTERM end the launcher with one line instead of a traceback,
+    with the exit status a shell expects (128 + the signal's number).
+    """
+    sig = signal.Signals(stopped.signum)
+    handler = signal.getsignal(sig)
+    if (
+        callable(handler)
+        and handler is not signal.default_int_handler
+        and not isinstance(handler, StopWhileNoJobRuns)
+    ):
+        handler(sig, None)
+        return
+    print(f"[torchrun launcher] {sig.name}: {summary}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + sig)

@@ -1,7 +1,8 @@
-"""The work of `TorchrunSlurmLauncher.launch`: every sweep job submitted as a SLURM job.
+"""The SLURM runner of `hydra/launcher=torchrun_slurm`: every sweep job a SLURM job.
 
-Jobs are composed and checked exactly as the local launcher's (`_launcher.core.compose_plans`),
-then submitted, an array per group of jobs that share their sbatch options, and waited on.
+The sweep driver (`_launcher.driver`) composes and checks the jobs and keeps the record, as
+for the local runner; this runner submits them, an array per group of jobs that share their
+sbatch options, and waits on them.
 Each job's request lies in the sweep's private `.slurm/` dir; the ids SLURM gives are
 recorded there before the launcher waits, so a launcher killed with -9 and started again
 takes its jobs back instead of submitting them twice. Waiting reads the result files node 0
@@ -11,40 +12,26 @@ SLURM's own state and reason. Ctrl-C or SIGTERM cancels the sweep's jobs (`scanc
 """
 
 import logging
-import os
 import signal
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
-from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
 from .._job.failures import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
-from .._job.process import JobRequest, encode_request
-from .._launcher.core import SweepLauncher, compose_plans
-from .._launcher.lock import hold_sweep_lock
-from .._launcher.pool import SweepStopped, react_to_stop
-from .._launcher.report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
-from .._launcher.reproduce import write_rerun_script
-from .._launcher.resume import (
-    PlannedResumption,
-    Record,
-    continuing_in_place,
-    log_resumption,
-    planned_resumption,
-    read_record,
-    resumption,
-    save_return,
-)
+from .._launcher.preempt import SweepStopped
+from .._launcher.resume import PlannedResumption
+from .._launcher.runner import JobEvents
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
-from .._shared.stop_files import RANKS_STARTED_FILE
 from . import commands
+from .batch_script import batch_script
 from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
     failure_file,
@@ -61,7 +48,6 @@ from .files import (
 )
 from .never_starts import never_starts
 from .options import SlurmOptions, split_launcher_config
-from .script import batch_script
 
 log = logging.getLogger(__name__)
 
@@ -77,77 +63,55 @@ POLL_GROWTH = 1.5
 POLL_CONFIRM_S = 2.0
 
 
-def launch(
-    launcher: SweepLauncher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
-) -> List[JobReturn]:
-    setup_globals()
-    assert launcher.config is not None and launcher.hydra_context is not None
-    configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
-    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
-    options: Dict[int, SlurmOptions] = {}
+class SlurmRunner:
+    """`hydra/launcher=torchrun_slurm`'s runner (`_launcher.runner.Runner`)."""
 
-    def settings_of(config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+    # the stop signal is SLURM's to send to the jobs' nodes: the launcher takes no notice
+    notice = None
+
+    def __init__(self, launcher: Any) -> None:
+        self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+        # each job's sbatch options, as its config said
+        self.options: Dict[int, SlurmOptions] = {}
+        self.cancelled = ""
+
+    def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
         settings, slurm = split_launcher_config(config.hydra.launcher)
         check_supported(settings)
-        options[int(config.hydra.job.num)] = slurm
+        self.options[int(config.hydra.job.num)] = slurm
         return settings, None
 
-    composed = compose_plans(launcher, job_overrides, initial_job_idx, str(sweep_dir.resolve()), settings_of)
-    plans, configs = composed.plans, composed.configs
-    if not plans:
-        return []
-    conf = plans[0].settings.conf
-    if conf.dry_run:
-        log.info(_dry_run(plans, options, sweep_dir, planned_resumption(conf.resume, sweep_dir, plans)))
-        raise SystemExit(0)
-    first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
-    hold_sweep_lock(sweep_dir, 1)
-    if first_launch:
-        launcher.report = SweepReport(
-            sweep_dir, read_record(sweep_dir) if conf.resume is not False else Record()
-        )
-    report: SweepReport = launcher.report
-    resumed = resumption(conf.resume, sweep_dir, plans, report.recorded, first_launch)
-    # where the ranks of an unfinished job ran before (a launcher stopped or killed, its jobs
-    # cancelled): it continues there, resumed() True, as under the local launcher
-    in_place = continuing_in_place(sweep_dir, plans, resumed)
-    for plan in plans:
-        plan.resumed = plan.idx in in_place
-    log_resumption(sweep_dir, resumed, in_place)
-    directory = slurm_dir(sweep_dir)
-    to_run = [plan for plan in plans if plan.idx not in resumed.completed]
-    report.launching(
-        plans,
-        done=sorted(resumed.completed),
-        preempted=sorted(resumed.preempted),
-        returned={num: ret.return_value for num, ret in resumed.completed.items()},
-    )
-    sweep = _Sweep(directory, report)
-    try:
+    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
+        """Every job's sbatch options are its own: nothing to agree on across them."""
+
+    def launchers_sharing_dir(self, first: JobPlan) -> int:
+        return 1  # the launcher on the login node alone; the nodes write only their job's files
+
+    def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
+        return _dry_run(list(plans), self.options, self.sweep_dir, recorded)
+
+    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
+        sweep = _Sweep(slurm_dir(self.sweep_dir), events)
         with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
             try:
-                sweep.submit(launcher, to_run, configs, options, composed.task_error)
-                ran = sweep.wait(to_run)
+                sweep.submit(plans, self.options, str(self.sweep_dir))
+                return sweep.wait(plans)
             except SweepStopped:
-                cancelled = sweep.cancel()
-                report.log_table()
+                self.cancelled = sweep.cancel()
                 raise
-    except SweepStopped as stopped:
-        # the launcher's own handlers are back: the signal does what it would have done
-        react_to_stop(stopped, f"cancelled {cancelled}; {report.stop_summary()}")
-        raise
-    if len(plans) > 1:
-        report.log_table()
-    returns = {**resumed.completed, **ran}
-    return [returns[plan.idx] for plan in plans]
+
+    def stopped_words(self) -> str:
+        return f"cancelled {self.cancelled}; "
 
 
 class _Sweep:
     """The sweep's SLURM jobs: submitted, watched, collected, or cancelled."""
 
-    def __init__(self, directory: Path, report: SweepReport) -> None:
+    def __init__(self, directory: Path, events: JobEvents) -> None:
         self.directory = directory
-        self.report = report
+        self.events = events
+        # the jobs of this launch, by number
+        self.plans: Dict[int, JobPlan] = {}
         # job number -> SLURM id (`<array>_<number>`) of the jobs not collected yet
         self.slurm_ids: Dict[int, str] = {}
         self.submitted = read_submitted(directory)
@@ -186,24 +150,16 @@ class _Sweep:
 
     # -- submission -----------------------------------------------------------------------
 
-    def submit(
-        self,
-        launcher: SweepLauncher,
-        plans: List[JobPlan],
-        configs: Dict[int, DictConfig],
-        options: Dict[int, SlurmOptions],
-        task_error: Optional[str],
-    ) -> None:
+    def submit(self, plans: List[JobPlan], options: Dict[int, SlurmOptions], sweep_dir: str) -> None:
         """Submit what is not in flight already; record every id before waiting."""
-        sweep_dir = str(launcher.config.hydra.sweep.dir) if launcher.config is not None else ""
         fresh: List[JobPlan] = []
         stale: List[str] = []
         gone: List[str] = []
         alive = self._still_there()
         for plan in plans:
+            self.plans[plan.idx] = plan
             self.overrides[plan.idx] = list(plan.overrides)
             self.nodes[plan.idx] = options[plan.idx].nodes
-            write_rerun_script(plan, configs[plan.idx], None)
             known = self.submitted.get(str(plan.idx))
             if (
                 known
@@ -215,11 +171,7 @@ class _Sweep:
                     fresh.append(plan)
                     continue
                 self.slurm_ids[plan.idx] = known["slurm_id"]
-                self.report.started(plan.idx)
-                log.info(
-                    f"\t{job_title(plan.idx, plan.overrides)} : SLURM job "
-                    f"{known['slurm_id']}, submitted before"
-                )
+                self.events.started(plan, f" : SLURM job {known['slurm_id']}, submitted before")
                 continue
             if known:
                 stale.append(known["slurm_id"])
@@ -237,11 +189,8 @@ class _Sweep:
             jobs = "1 job" if len(fresh) == 1 else f"{len(fresh)} jobs"
             log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
         for plan in fresh:
-            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
-                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
-            write_private(
-                request_file(self.directory, plan.idx), _request(launcher, plan, configs, task_error)
-            )
+            # each node's own environment, as sbatch exported this one's; SLURM's devices
+            write_private(request_file(self.directory, plan.idx), self.events.request(plan, None, {}, []))
         for slurm, group in arrays(fresh, options).items():
             self._check_stop()
             jobs = [plan.idx for plan in group]
@@ -251,15 +200,15 @@ class _Sweep:
                 array_id = commands.sbatch(script)
             except (SlurmCommandError, OSError) as e:
                 for plan in group:
-                    self.report.started(plan.idx)
-                    self._end(plan.idx, _failure(f"sbatch refused the job: {e}"), FAILED)
+                    self.events.started(plan, None)
+                    self._end(plan.idx, _failure(f"sbatch refused the job: {e}"))
                 continue
             for plan in group:
                 slurm_id = f"{array_id}_{plan.idx}"
                 self.slurm_ids[plan.idx] = slurm_id
                 self.submitted[str(plan.idx)] = {"slurm_id": slurm_id, "fingerprint": plan.fingerprint}
-                log.info(f"\t{job_title(plan.idx, plan.overrides)} : SLURM job {slurm_id}")
-                self.report.started(plan.idx)  # until SLURM starts it, its time counts from here
+                # until SLURM starts it, its time counts from here
+                self.events.started(plan, f" : SLURM job {slurm_id}")
             write_submitted(self.directory, self.submitted)
 
     def _still_there(self) -> Optional[Set[str]]:
@@ -407,7 +356,7 @@ class _Sweep:
             if state.state == "RUNNING":
                 # its time counts from when SLURM started this run (the launcher sees it later)
                 ran_s = state.elapsed_s or 0.0
-                self.report.started(idx, at=time.monotonic() - ran_s)
+                self.events.running(self.plans[idx], time.monotonic() - ran_s)
                 again = idx in self.ran  # a run of it ended before: SLURM requeued it
                 self.ran.add(idx)
                 log.info(f"{title} {'was requeued and runs again' if again else 'started'} on {state.nodes}")
@@ -431,23 +380,12 @@ class _Sweep:
         message = (
             f"SLURM job {slurm_id} can never start ({state.reason}): {why}; it was cancelled{_said(said)}"
         )
-        self._end(idx, _failure(message), FAILED)
+        self._end(idx, _failure(message))
         return True
 
     def _collect(self, plan: JobPlan, job_return: JobReturn) -> None:
         """The job's result, as its node 0 wrote it (or a node's failure)."""
-        idx = plan.idx
-        value = job_return._return_value
-        if job_return.status == JobStatus.COMPLETED:
-            status = COMPLETED
-            save_return(plan.output_dir, job_return)
-        elif isinstance(value, JobPreempted):
-            status = PREEMPTED
-        else:
-            status = FAILED
-        # as the local launcher tells it: the ranks' own mark in the job dir
-        ranks_ran = (plan.output_dir / RANKS_STARTED_FILE).exists()
-        self._end(idx, job_return, status, ranks_ran)
+        self._end(plan.idx, job_return)
 
     def _lost(
         self, plan: JobPlan, slurm_id: str, state: JobState, runs: Dict[Tuple[int, str, str], int]
@@ -468,14 +406,14 @@ class _Sweep:
         self._end(
             plan.idx,
             _failure(f"SLURM job {slurm_id} ended {state.state}{reason} without a result; {where}"),
-            FAILED,
         )
 
-    def _end(self, idx: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
-        """The job's outcome into the record (and its line); it is no longer in flight."""
+    def _end(self, idx: int, job_return: JobReturn, stopped: bool = False) -> None:
+        """The job's outcome to the driver (`stopped`: cancelled as the launcher was stopped);
+        it is no longer in flight."""
         if job_return.overrides is None:  # SLURM's failure, not one the job returned
             job_return.overrides = self.overrides.get(idx)
-        self.report.ended(idx, job_return, status, ranks_ran)
+        self.events.ended(self.plans[idx], job_return, stopped)
         self.returns[idx] = job_return
         self.ending.discard(idx)
         if self.slurm_ids.pop(idx, None) is not None:
@@ -492,7 +430,7 @@ class _Sweep:
         said = commands.scancel(ids)
         for idx, slurm_id in list(self.slurm_ids.items()):
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
-            self._end(idx, _failure(message), STOPPED)
+            self._end(idx, _failure(message), stopped=True)
         return f"SLURM job(s) {', '.join(ids)}{_said(said)}"
 
 
@@ -524,25 +462,6 @@ def _failure(message: str) -> JobReturn:
     failed = JobReturn(status=JobStatus.FAILED)
     failed.return_value = JobFailedError(message)
     return failed
-
-
-def _request(
-    launcher: SweepLauncher, plan: JobPlan, configs: Dict[int, DictConfig], task_error: Optional[str]
-) -> bytes:
-    """The job's request: as the local launcher's, with the launch dir to run in."""
-    assert launcher.hydra_context is not None
-    return encode_request(
-        JobRequest(
-            plan=plan,
-            config=configs[plan.idx],
-            hydra_context=launcher.hydra_context,
-            environ={},  # each node's own, as sbatch exported this one's
-            cwd=os.getcwd(),
-            ignored_signals=[],
-            devices=None,  # SLURM's: CUDA_VISIBLE_DEVICES as it sets it on the node
-            task_error=task_error,
-        )
-    )
 
 
 def arrays(plans: List[JobPlan], options: Dict[int, SlurmOptions]) -> Dict[SlurmOptions, List[JobPlan]]:

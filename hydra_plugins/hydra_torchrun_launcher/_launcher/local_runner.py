@@ -1,0 +1,174 @@
+"""The local runner: every sweep job in a process of its own on this node, forked from the
+launcher's warm server (`_server.server`), where Hydra's `run_job` does the job's bookkeeping
+and torch's elastic agent runs its ranks (`_job.process`). Up to `parallel_jobs` such
+processes run at once (`_launcher.pool`); the same code path runs one at a time. On a
+multi-node sweep, a launcher runs on every node, each running its node's part of each job.
+"""
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set
+
+from hydra.core.utils import JobReturn
+from omegaconf import DictConfig, OmegaConf
+
+from .._job.launch_config import check_supported
+from .._server.server import checked_warm_server
+from .._shared.errors import LauncherConfigError
+from .._shared.paths import shown_path
+from .._shared.plan import JobPlan, JobSettings
+from .._shared.signals import ignored_group_signals
+from .cluster import resolve_cluster
+from .pool import run_jobs
+from .preempt import StopNotice, sweep_notice, sweep_stop_signal
+from .preload import varying_variables
+from .reproduce import dry_run_plan
+from .runner import JobEvents
+from .settings import check_node_rank, resolve_settings
+
+log = logging.getLogger(__name__)
+
+# after its job_timeout, how long a job process may take beyond its ranks' shutdown
+_STOP_MARGIN_S = 30.0
+
+# keys that shape the whole sweep rather than one job: every job must agree on them
+_SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run", "stop_signal", "requeue", "resume")
+
+
+class LocalRunner:
+    """`hydra/launcher=torchrun`'s runner (`_launcher.runner.Runner`)."""
+
+    def __init__(self, launcher: Any, preload: "tuple[str, ...]") -> None:
+        self.preload = preload
+        self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+        # installed at the launcher's setup, for the whole sweep: a notice while jobs are composed
+        # or between a sweeper's batches ends the sweep preempted, as one while jobs run does
+        self.notice: Optional[StopNotice] = sweep_notice(
+            launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
+        )
+        launcher.notice = self.notice
+        self.parallel_jobs = 1
+        self.devices: Optional[List[str]] = None
+
+    def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+        """The job's launcher settings (with what SLURM gives), checked; and the cluster log line."""
+        settings = resolve_settings(config.hydra.launcher)
+        settings, note = resolve_cluster(settings, os.environ, _keys_set(config))
+        check_node_rank(settings)
+        check_supported(settings)
+        return settings, note
+
+    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
+        if plans[0].payload.stop_signal == signal.SIGUSR1:
+            log.warning(
+                "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1 in the ranks' processes for "
+                "its own debugging dumps (NCCL_PROXY_DUMP_SIGNAL, torch's NCCL flight recorder); "
+                "SIGUSR2 is the stop signal nothing else uses"
+            )
+        self.parallel_jobs, self.devices = _sweep_wide(plans)
+        if self.parallel_jobs > 1:
+            for plan in plans:
+                plan.console_label = f"#{plan.idx} "
+
+    def launchers_sharing_dir(self, first: JobPlan) -> int:
+        return first.settings.max_nodes
+
+    def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
+        return dry_run_plan(list(plans), configs, self.parallel_jobs, self.devices, recorded)
+
+    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
+        server = checked_warm_server(self.preload, varying_variables(plans))
+        assert self.notice is not None
+        if self.notice.received:
+            return {}
+
+        def request_for(plan: JobPlan, devices: Optional[List[str]]) -> bytes:
+            return events.request(plan, devices, dict(os.environ), ignored_group_signals())
+
+        def on_start(plan: JobPlan, devices: Optional[List[str]]) -> None:
+            events.started(plan, f" on devices {','.join(devices)}" if devices is not None else "")
+
+        log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(self.sweep_dir))}")
+        return run_jobs(
+            server,
+            plans,
+            self.parallel_jobs,
+            self.devices,
+            request_for,
+            _hard_limit_s,
+            on_start,
+            events.ended,
+            self.notice,
+        )
+
+    def stopped_words(self) -> str:
+        return "the sweep was stopped: "
+
+
+def _hard_limit_s(plan: JobPlan) -> Optional[float]:
+    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
+    conf = plan.settings.conf
+    if conf.job_timeout is None:
+        return None
+    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S
+
+
+def _keys_set(config: DictConfig) -> Set[str]:
+    """Launcher keys the user gave on the command line (`hydra.launcher.nnodes=1`, `++...`)."""
+    keys = set()
+    for override in OmegaConf.to_container(config.hydra.overrides.hydra, resolve=False):  # as typed
+        name = str(override).lstrip("+~").split("=", 1)[0]
+        if name.startswith("hydra.launcher."):
+            keys.add(name[len("hydra.launcher.") :])
+    return keys
+
+
+def _sweep_wide(plans: List[JobPlan]) -> "tuple[int, Optional[List[str]]]":
+    """parallel_jobs and the devices to share out, checked against every job."""
+    first = plans[0].settings.conf
+    for plan in plans[1:]:
+        for key in _SWEEP_WIDE_KEYS:
+            if getattr(plan.settings.conf, key) != getattr(first, key):
+                raise LauncherConfigError(
+                    f"hydra.launcher.{key} differs between jobs {plans[0].idx} and {plan.idx}: "
+                    "it applies to the whole sweep and must be the same for every job"
+                )
+    parallel_jobs = first.parallel_jobs
+    for plan in plans:
+        if parallel_jobs > 1 and not plan.rendezvous.endpoint.endswith(":0"):
+            key = "rdzv_endpoint" if plan.settings.conf.rdzv_endpoint else "master_port"
+            raise LauncherConfigError(
+                f"hydra.launcher.{key}={getattr(plan.settings.conf, key)} cannot serve "
+                f"parallel_jobs={parallel_jobs}: jobs running at once would join one rendezvous; "
+                f"leave {key} unset (each job then gets a free port of its own)"
+            )
+    if parallel_jobs > 1 and any(plan.settings.max_nodes > 1 for plan in plans):
+        raise LauncherConfigError(
+            f"hydra.launcher.parallel_jobs={parallel_jobs} is invalid for a multi-node sweep: "
+            "the nodes run the jobs one by one in lockstep"
+        )
+    devices = [str(d) for d in first.devices] if first.devices is not None else None
+    if devices is None and parallel_jobs > 1:
+        devices = _visible_devices()
+    if devices is not None:
+        for plan in plans:
+            if plan.nproc > len(devices):
+                raise LauncherConfigError(
+                    f"hydra.launcher.nproc_per_node={plan.nproc} (job {plan.idx}) is more than the "
+                    f"{len(devices)} devices to share out ({','.join(devices) or 'none'}); "
+                    "set hydra.launcher.devices or lower nproc_per_node"
+                )
+    return parallel_jobs, devices
+
+
+def _visible_devices() -> Optional[List[str]]:
+    """All visible GPUs (CUDA_VISIBLE_DEVICES, else the CUDA device count); None without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()] or None
+    import torch
+
+    count = torch.cuda.device_count()
+    return [str(i) for i in range(count)] if count else None

@@ -1,0 +1,68 @@
+"""What a way to run jobs gives the sweep driver (`_launcher.driver`), and what it gets.
+
+The driver composes and checks the jobs, holds the sweep dir, reads the record and decides
+what resumes, records and reports what comes back, and ends on a stop signal. A `Runner`
+knows only how to run jobs somewhere: how a job's launcher config reads (its keys), the
+sweep-wide checks of its own, its dry run, and `run`: start the jobs' nodes, tell the
+driver as each starts and ends (`JobEvents`), and stop or cancel them on a stop signal. The
+local pool of job processes (`_launcher.local_runner`) and SLURM (`_submit.slurm_runner`)
+are the two runners; a new one (another scheduler, hosts over ssh) is one more class,
+importing this module and the driver's public pieces, never the driver's internals.
+Models: submitit's Executor over one core, Hydra's joblib launcher (`_core.launch` owns the
+lifecycle).
+"""
+
+from typing import Any, Dict, List, Optional, Protocol, Sequence
+
+from hydra.core.utils import JobReturn
+from omegaconf import DictConfig
+
+from .._shared.plan import JobPlan, JobSettings
+from .preempt import StopNotice
+
+
+class JobEvents(Protocol):
+    """What a runner tells the driver as its jobs go (the driver records and reports it)."""
+
+    def request(
+        self, plan: JobPlan, devices: Optional[List[str]], environ: Dict[str, str], ignored_signals: List[int]
+    ) -> bytes:
+        """The job process's encoded request, made just before the job is handed to its nodes
+        (the launcher's state as it is now); its rerun.sh is written and an earlier run's
+        mark of its ranks cleared (unless it continues in its job dir)."""
+
+    def started(self, plan: JobPlan, detail: Optional[str]) -> None:
+        """The job is handed to its nodes, or taken back from an earlier run: its time counts
+        from now; its line ends with `detail` (None: no line)."""
+
+    def running(self, plan: JobPlan, since: float) -> None:
+        """Its ranks run since `since` (monotonic), where that is known later than `started`."""
+
+    def ended(self, plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
+        """The job's outcome; `stopped`: it ended because the sweep was stopped."""
+
+
+class Runner(Protocol):
+    """One way to run a sweep's jobs (see the module docstring)."""
+
+    # the sweep's stop notice (the stop signal taken as a preemption notice), or None
+    notice: Optional[StopNotice]
+
+    def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+        """A job's launcher settings from its composed config, checked; and a line to log once."""
+
+    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
+        """What must hold across the jobs of one launch (refused in one line before any runs)."""
+
+    def launchers_sharing_dir(self, first: JobPlan) -> int:
+        """How many launcher processes (one per node) share this sweep dir."""
+
+    def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
+        """What a run would do, for the user to read; nothing runs."""
+
+    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
+        """Run `plans`, telling `events`; their JobReturns by number. On a stop signal: stop
+        or cancel what runs, tell `events` of each, then raise `SweepStopped`."""
+
+    def stopped_words(self) -> str:
+        """After `run` raised SweepStopped: what the stop did, first words of its line."""
