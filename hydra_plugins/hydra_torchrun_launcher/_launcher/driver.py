@@ -13,9 +13,10 @@ import contextlib
 import copy
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Set
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -90,114 +91,159 @@ def launch(
         started = "no job of the next batch had started" if launcher.report else "no job had started"
         _end_preempted(notice, started, sweep_dir, launcher.config.hydra.launcher)
 
-    composed = compose_plans(
-        launcher, job_overrides, initial_job_idx, str(sweep_dir.resolve()), runner.job_settings
-    )
-    plans = composed.plans
-    if not plans:
+    jobs = [PendingJob(initial_job_idx + i, list(overrides)) for i, overrides in enumerate(job_overrides)]
+    if not jobs:
         return []
-    runner.check_sweep(plans)
-    conf = plans[0].settings.conf
+    composer = Composer(launcher, str(sweep_dir.resolve()), runner.job_settings)
+    # the first job before anything else: a bad setting common to the sweep stops it here
+    first, first_config = composer.compose(jobs[0])
+    runner.check_sweep(first)
+    conf = first.settings.conf
     if conf.dry_run:
+        plans, configs = [first], {first.idx: first_config}
+        for job in jobs[1:]:
+            plan, configs[job.idx] = composer.compose(job)
+            runner.check_job(plan)
+            plans.append(plan)
         recorded = planned_resumption(conf.resume, sweep_dir, plans)
-        log.info(runner.dry_run(plans, composed.configs, recorded))
+        log.info(runner.dry_run(plans, configs, recorded))
         raise SystemExit(0)
-    return _Launch(launcher, runner, composed, sweep_dir).run()
+    return _Launch(launcher, runner, composer, jobs, (first, first_config), sweep_dir).run()
 
 
 @dataclass
-class ComposedSweep:
-    """The jobs of one launch, composed and checked, before any of them runs."""
+class PendingJob:
+    """A job of the launch before it is composed: what stays of it until it is needed (its
+    number and overrides, as the sweeper gave them), not its config."""
 
-    plans: List[JobPlan]
-    configs: Dict[int, DictConfig]
-    task_error: Optional[str]  # why the task function cannot travel to the ranks
+    idx: int
+    overrides: List[str]
+    output_dir: Optional[Path] = None  # known once composed
+    fingerprint: str = ""
 
 
-def compose_plans(
-    launcher: SweepLauncher,
-    job_overrides: Sequence[Sequence[str]],
-    initial_job_idx: int,
-    sweep_key: str,
-    settings_of: Callable[[DictConfig], "tuple[JobSettings, Optional[str]]"],
-) -> ComposedSweep:
-    """Every job composed, its launcher settings resolved from its own config and checked
-    (`settings_of(config)`: the settings and a line to log once), and its plan made: a bad
-    setting stops the sweep before any process starts."""
-    assert launcher.task_function is not None
-    pickled_task, task_error = pickle_task(launcher.task_function)
-    script = app_script(launcher.task_function)
-    if script is not None and script.task_name is not None:
-        task_error = None  # each rank finds the task by name in the script it runs
-    task = task_digest(launcher.task_function)
-    plans: List[JobPlan] = []
-    configs: Dict[int, DictConfig] = {}
-    notes = set()
-    for i, overrides in enumerate(job_overrides):
-        config = _compose(launcher, list(overrides), initial_job_idx + i)
-        # once per job: HydraConfig holds this job's config while its settings and state are read
+class Composer:
+    """Each job composed when it is needed: its config as run_job will see it, its launcher
+    settings resolved from that config (so launcher keys may interpolate swept values) and
+    checked (`settings_of(config)`: the settings and a line to log once), its plan made and
+    fingerprinted. A bad setting is refused in one line naming the job."""
+
+    def __init__(
+        self,
+        launcher: SweepLauncher,
+        sweep_key: str,
+        settings_of: Callable[[DictConfig], "tuple[JobSettings, Optional[str]]"],
+    ) -> None:
+        assert launcher.task_function is not None
+        self.launcher = launcher
+        self.sweep_key = sweep_key
+        self.settings_of = settings_of
+        self.pickled_task, self.task_error = pickle_task(launcher.task_function)
+        self.script = app_script(launcher.task_function)
+        if self.script is not None and self.script.task_name is not None:
+            self.task_error = None  # each rank finds the task by name in the script it runs
+        self.task = task_digest(launcher.task_function)
+        self.notes: Set[str] = set()
+
+    def compose(self, job: PendingJob) -> "tuple[JobPlan, DictConfig]":
+        config = _compose(self.launcher, job.overrides, job.idx)
+        # HydraConfig holds this job's config while its settings and state are read
         with _hydra_config(config):
             try:
-                settings, note = settings_of(config)
-                plan = _plan(config, settings, pickled_task, script, sweep_key)
+                settings, note = self.settings_of(config)
+                plan = _plan(config, settings, self.pickled_task, self.script, self.sweep_key)
             except LauncherConfigError as e:
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
-                raise LauncherConfigError(f"job #{initial_job_idx + i} ({shown}): {e}") from e
+                raise LauncherConfigError(f"job #{job.idx} ({shown}): {e}") from e
         # with the project's modules that the job's `_target_`s name (instantiate imports them later)
-        code = task + targets_digest(launcher.task_function, plan.payload.task_cfg)
+        assert self.launcher.task_function is not None
+        code = self.task + targets_digest(self.launcher.task_function, plan.payload.task_cfg)
         plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
-        plans.append(plan)
-        configs[plan.idx] = config
-        notes.update(line for line in (note, shadowed_redirects(settings.conf)) if line)
-    for note in sorted(notes):
-        log.info(note)
-    return ComposedSweep(plans, configs, task_error)
+        for line in (note, shadowed_redirects(settings.conf)):
+            if line and line not in self.notes:  # once a sweep
+                self.notes.add(line)
+                log.info(line)
+        return plan, config
 
 
 class _Launch:
-    """One launch after its jobs are composed: the sweep dir held, the record read, the jobs
-    that do not come from it handed to the runner; the driver's side of `JobEvents`."""
+    """One launch once its first job is composed: the sweep dir held, the record read, the
+    jobs that do not come from it handed to the runner as it can take them; the driver's
+    side of `JobEvents` and the runner's `JobFeed`.
 
-    def __init__(self, launcher: SweepLauncher, runner: Runner, composed: ComposedSweep, sweep_dir: Path):
+    Jobs are composed just in time (`next`), ahead of the runner by what it can start, so
+    the launcher's cost before the first rank does not grow with the sweep. Where a record
+    may give jobs (a resumed sweep) or several nodes share the sweep dir, every job is
+    composed first instead: what resumes is decided over the whole sweep, as the nodes
+    agree on it (`_launcher.resume`). A job whose own settings are refused ends FAILED with
+    its one-line refusal; the sweep goes on."""
+
+    def __init__(
+        self,
+        launcher: SweepLauncher,
+        runner: Runner,
+        composer: Composer,
+        jobs: List[PendingJob],
+        first: "tuple[JobPlan, DictConfig]",
+        sweep_dir: Path,
+    ) -> None:
         self.launcher = launcher
         self.runner = runner
-        self.plans = composed.plans
-        self.configs = composed.configs
-        self.task_error = composed.task_error
+        self.composer = composer
+        self.jobs = jobs
+        self.first, first_config = first
+        self.configs: Dict[int, DictConfig] = {self.first.idx: first_config}
         self.sweep_dir = sweep_dir
         self.notice = runner.notice
-        self.conf = self.plans[0].settings.conf
+        self.conf = self.first.settings.conf
         self.first_launch = launcher.report is None or launcher.report.path.parent != sweep_dir
         # before the record is read: no other launcher of this node works in this sweep dir
-        self.sharing = runner.launchers_sharing_dir(self.plans[0])
+        self.sharing = runner.launchers_sharing_dir(self.first)
         slot = hold_sweep_lock(sweep_dir, self.sharing)
         self.writes = slot == 0  # one node keeps the record of a sweep dir the nodes share
-        for plan in self.plans:
-            plan.node_slot = slot
+        self.slot = slot
+        self.first.node_slot = slot
         self.report = _report_of(launcher, sweep_dir, self.conf.resume is not False)
         self.report.writes = self.writes
+        # jobs for the runner: composed ones first, then those composed when asked for
+        self.ready: Deque[JobPlan] = deque()
+        self.pending: Deque[PendingJob] = deque()
+        # the JobReturns of jobs refused, or taken from the record
+        self.returns: Dict[int, JobReturn] = {}
 
     def run(self) -> List[JobReturn]:
         """Resume what the record has done, run the rest; a stop signal ends the sweep."""
-        plans, report, sweep_dir = self.plans, self.report, self.sweep_dir
-        resumed = self._resumption()
-        in_place = continuing_in_place(sweep_dir, plans, resumed)
-        for plan in plans:
-            plan.resumed = plan.idx in in_place  # where its ranks ran before: a checkpoint may be there
-        log_resumption(sweep_dir, resumed, in_place)
-        to_run = [plan for plan in plans if plan.idx not in resumed.completed]
+        report, sweep_dir = self.report, self.sweep_dir
+        if self._composes_all_first():
+            plans = self._compose_all()
+            resumed = self._resumption(plans)
+            in_place = continuing_in_place(sweep_dir, plans, resumed)
+            for plan in plans:
+                plan.resumed = plan.idx in in_place  # where its ranks ran before: a checkpoint may be there
+            log_resumption(sweep_dir, resumed, in_place)
+            self.returns.update(resumed.completed)
+            self.ready.extend(plan for plan in plans if plan.idx not in resumed.completed)
+            done, preempted = sorted(resumed.completed), sorted(resumed.preempted)
+            composed = {plan.idx: plan for plan in plans}
+            report.launching(
+                [composed.get(job.idx, job) for job in self.jobs],
+                done=done,
+                preempted=preempted,
+                returned={num: ret.return_value for num, ret in resumed.completed.items()},
+            )
+            for job in self.jobs:  # the jobs refused as they were composed
+                if job.idx not in composed:
+                    self._refuse(job, self.returns[job.idx])
+        else:
+            self.ready.append(self.first)
+            self.pending.extend(self.jobs[1:])
+            report.launching([self.first, *self.pending])
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        report.launching(
-            plans,
-            done=sorted(resumed.completed),
-            preempted=sorted(resumed.preempted),
-            returned={num: ret.return_value for num, ret in resumed.completed.items()},
-        )
-        if not to_run:
+        if not self.ready and not self.pending:
             shown = shown_path(str(sweep_dir))
-            log.info(f"Nothing to launch: all {len(plans)} jobs come from the record in {shown}")
+            log.info(f"Nothing to launch: all {len(self.jobs)} jobs come from the record in {shown}")
         try:
-            ran = self.runner.run(to_run, self) if to_run else {}
+            ran = self.runner.run(self, self) if self.ready or self.pending else {}
         except SweepStopped as stopped:
             report.log_table()
             react_to_stop(stopped, f"{self.runner.stopped_words()}{report.stop_summary()}")
@@ -207,13 +253,67 @@ class _Launch:
             report.interrupted = True
             report.write()
             _end_preempted(self.notice, report.stop_summary(), sweep_dir, self.conf)
-        returns = {**resumed.completed, **ran}
-        return [returns[plan.idx] for plan in plans]
+        returns = {**self.returns, **ran}
+        return [returns[job.idx] for job in self.jobs]
 
-    def _resumption(self) -> Any:
+    def _composes_all_first(self) -> bool:
+        """Whether what runs is decided over the whole sweep before any job runs: a record
+        that may give jobs, or nodes that must agree on it."""
+        return self.sharing > 1 or (self.conf.resume is not False and bool(self.report.recorded.jobs)) or (
+            self.conf.resume is True
+        )
+
+    def _compose_all(self) -> List[JobPlan]:
+        """Every job composed now; a job refused is kept aside (`returns`) to end FAILED."""
+        plans = [self.first]
+        for job in self.jobs[1:]:
+            plan = self._composed(job)
+            if plan is not None:
+                plans.append(plan)
+        return plans
+
+    def _composed(self, job: PendingJob) -> Optional[JobPlan]:
+        """The job composed and checked; None when refused (its JobReturn kept aside)."""
+        try:
+            plan, config = self.composer.compose(job)
+            self.runner.check_job(plan)
+        except LauncherConfigError as e:
+            refused = JobReturn(status=JobStatus.FAILED, overrides=job.overrides)
+            refused.return_value = e
+            self.returns[job.idx] = refused
+            return None
+        plan.node_slot = self.slot
+        self.configs[plan.idx] = config
+        return plan
+
+    def _refuse(self, job: PendingJob, refused: JobReturn) -> None:
+        """A job whose settings were refused: FAILED with its one line, the sweep goes on."""
+        self.report.started(job.idx)
+        self.report.ended(job.idx, refused, FAILED)
+
+    # -- JobFeed: the jobs for the runner, as it can take them ----------------------------
+
+    def next(self) -> Optional[JobPlan]:
+        """The next job to run, composed now if it was not; None when there is none left."""
+        if self.ready:
+            return self.ready.popleft()
+        while self.pending:
+            job = self.pending.popleft()
+            plan = self._composed(job)
+            if plan is None:
+                self._refuse(job, self.returns[job.idx])
+                continue
+            self.report.composed(plan)
+            return plan
+        return None
+
+    def left(self) -> int:
+        return len(self.ready) + len(self.pending)
+
+    def _resumption(self, plans: List[JobPlan]) -> Any:
         """What the record has done or stopped of this launch's jobs; the nodes that share a
         sweep dir take node 0's word, and agree on what their own job dirs hold."""
-        plans, conf, sweep_dir, notice = self.plans, self.conf, self.sweep_dir, self.notice
+        conf, sweep_dir, notice = self.conf, self.sweep_dir, self.notice
         multi_node = self.sharing > 1
         if multi_node and self.first_launch:
             log.info(waiting_for_nodes(plans[0]))
@@ -251,7 +351,7 @@ class _Launch:
     def request(
         self, plan: JobPlan, devices: Optional[List[str]], environ: Dict[str, str], ignored_signals: List[int]
     ) -> bytes:
-        config = self.configs[plan.idx]
+        config = self.configs.pop(plan.idx)  # kept no longer than needed: a sweep may hold thousands
         if self.writes:
             write_rerun_script(plan, config, devices)
         if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
@@ -266,7 +366,7 @@ class _Launch:
                 cwd=os.getcwd(),
                 ignored_signals=ignored_signals,
                 devices=devices,
-                task_error=self.task_error,
+                task_error=self.composer.task_error,
             )
         )
 
@@ -286,6 +386,7 @@ class _Launch:
             self.notice.received = True  # on a node that got no signal, its job tells it
         # a checkpoint may be in the job dir when its ranks ran now, or in the run resumed
         ranks_ran = plan.resumed or (plan.output_dir / RANKS_STARTED_FILE).exists()
+        self.configs.pop(plan.idx, None)
         self.report.ended(plan.idx, job_return, status, ranks_ran)
 
 

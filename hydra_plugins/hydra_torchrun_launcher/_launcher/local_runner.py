@@ -25,7 +25,7 @@ from .pool import run_jobs
 from .preempt import StopNotice, sweep_notice, sweep_stop_signal
 from .preload import varying_variables
 from .reproduce import dry_run_plan
-from .runner import JobEvents
+from .runner import JobEvents, JobFeed
 from .settings import check_node_rank, resolve_settings
 
 log = logging.getLogger(__name__)
@@ -60,17 +60,50 @@ class LocalRunner:
         check_supported(settings)
         return settings, note
 
-    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
-        if plans[0].payload.stop_signal == signal.SIGUSR1:
+    def check_sweep(self, first: JobPlan) -> None:
+        if first.payload.stop_signal == signal.SIGUSR1:
             log.warning(
                 "hydra.launcher.stop_signal=SIGUSR1: NCCL may take SIGUSR1 in the ranks' processes for "
                 "its own debugging dumps (NCCL_PROXY_DUMP_SIGNAL, torch's NCCL flight recorder); "
                 "SIGUSR2 is the stop signal nothing else uses"
             )
-        self.parallel_jobs, self.devices = _sweep_wide(plans)
-        if self.parallel_jobs > 1:
-            for plan in plans:
-                plan.console_label = f"#{plan.idx} "
+        self.first = first
+        conf = first.settings.conf
+        self.parallel_jobs = conf.parallel_jobs
+        self.devices = [str(d) for d in conf.devices] if conf.devices is not None else None
+        if self.devices is None and self.parallel_jobs > 1:
+            self.devices = _visible_devices()
+        self.check_job(first)
+
+    def check_job(self, plan: JobPlan) -> None:
+        """The sweep-wide keys as the first job's; what running jobs at once needs."""
+        first, parallel_jobs = self.first, self.parallel_jobs
+        for key in _SWEEP_WIDE_KEYS:
+            if getattr(plan.settings.conf, key) != getattr(first.settings.conf, key):
+                raise LauncherConfigError(
+                    f"hydra.launcher.{key} differs between jobs {first.idx} and {plan.idx}: "
+                    "it applies to the whole sweep and must be the same for every job"
+                )
+        if parallel_jobs > 1 and not plan.rendezvous.endpoint.endswith(":0"):
+            key = "rdzv_endpoint" if plan.settings.conf.rdzv_endpoint else "master_port"
+            raise LauncherConfigError(
+                f"hydra.launcher.{key}={getattr(plan.settings.conf, key)} cannot serve "
+                f"parallel_jobs={parallel_jobs}: jobs running at once would join one rendezvous; "
+                f"leave {key} unset (each job then gets a free port of its own)"
+            )
+        if parallel_jobs > 1 and plan.settings.max_nodes > 1:
+            raise LauncherConfigError(
+                f"hydra.launcher.parallel_jobs={parallel_jobs} is invalid for a multi-node sweep: "
+                "the nodes run the jobs one by one in lockstep"
+            )
+        if self.devices is not None and plan.nproc > len(self.devices):
+            raise LauncherConfigError(
+                f"hydra.launcher.nproc_per_node={plan.nproc} (job {plan.idx}) is more than the "
+                f"{len(self.devices)} devices to share out ({','.join(self.devices) or 'none'}); "
+                "set hydra.launcher.devices or lower nproc_per_node"
+            )
+        if parallel_jobs > 1:
+            plan.console_label = f"#{plan.idx} "
 
     def launchers_sharing_dir(self, first: JobPlan) -> int:
         return first.settings.max_nodes
@@ -78,8 +111,9 @@ class LocalRunner:
     def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
         return dry_run_plan(list(plans), configs, self.parallel_jobs, self.devices, recorded)
 
-    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
-        server = checked_warm_server(self.preload, varying_variables(plans))
+    def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
+        # the variables env_set gives, by the first job's (each job's may differ in value)
+        server = checked_warm_server(self.preload, varying_variables([self.first]))
         assert self.notice is not None
         if self.notice.received:
             return {}
@@ -90,10 +124,10 @@ class LocalRunner:
         def on_start(plan: JobPlan, devices: Optional[List[str]]) -> None:
             events.started(plan, f" on devices {','.join(devices)}" if devices is not None else "")
 
-        log.info(f"Launching {len(plans)} jobs with torchrun into {shown_path(str(self.sweep_dir))}")
+        log.info(f"Launching {jobs.left()} jobs with torchrun into {shown_path(str(self.sweep_dir))}")
         return run_jobs(
             server,
-            plans,
+            jobs,
             self.parallel_jobs,
             self.devices,
             request_for,
@@ -123,44 +157,6 @@ def _keys_set(config: DictConfig) -> Set[str]:
         if name.startswith("hydra.launcher."):
             keys.add(name[len("hydra.launcher.") :])
     return keys
-
-
-def _sweep_wide(plans: List[JobPlan]) -> "tuple[int, Optional[List[str]]]":
-    """parallel_jobs and the devices to share out, checked against every job."""
-    first = plans[0].settings.conf
-    for plan in plans[1:]:
-        for key in _SWEEP_WIDE_KEYS:
-            if getattr(plan.settings.conf, key) != getattr(first, key):
-                raise LauncherConfigError(
-                    f"hydra.launcher.{key} differs between jobs {plans[0].idx} and {plan.idx}: "
-                    "it applies to the whole sweep and must be the same for every job"
-                )
-    parallel_jobs = first.parallel_jobs
-    for plan in plans:
-        if parallel_jobs > 1 and not plan.rendezvous.endpoint.endswith(":0"):
-            key = "rdzv_endpoint" if plan.settings.conf.rdzv_endpoint else "master_port"
-            raise LauncherConfigError(
-                f"hydra.launcher.{key}={getattr(plan.settings.conf, key)} cannot serve "
-                f"parallel_jobs={parallel_jobs}: jobs running at once would join one rendezvous; "
-                f"leave {key} unset (each job then gets a free port of its own)"
-            )
-    if parallel_jobs > 1 and any(plan.settings.max_nodes > 1 for plan in plans):
-        raise LauncherConfigError(
-            f"hydra.launcher.parallel_jobs={parallel_jobs} is invalid for a multi-node sweep: "
-            "the nodes run the jobs one by one in lockstep"
-        )
-    devices = [str(d) for d in first.devices] if first.devices is not None else None
-    if devices is None and parallel_jobs > 1:
-        devices = _visible_devices()
-    if devices is not None:
-        for plan in plans:
-            if plan.nproc > len(devices):
-                raise LauncherConfigError(
-                    f"hydra.launcher.nproc_per_node={plan.nproc} (job {plan.idx}) is more than the "
-                    f"{len(devices)} devices to share out ({','.join(devices) or 'none'}); "
-                    "set hydra.launcher.devices or lower nproc_per_node"
-                )
-    return parallel_jobs, devices
 
 
 def _visible_devices() -> Optional[List[str]]:

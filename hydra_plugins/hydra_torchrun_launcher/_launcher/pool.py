@@ -73,7 +73,7 @@ class RunningJob:
 
 def run_jobs(
     server: WarmServer,
-    jobs: List[Any],
+    jobs: Any,
     parallel_jobs: int,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
@@ -82,7 +82,8 @@ def run_jobs(
     on_end: Callable[[Any, JobReturn, bool], None],
     notice: StopNotice,
 ) -> Dict[int, JobReturn]:
-    """Run `jobs` (plans with `.idx` and `.nproc`); the JobReturns of those that ran, by number.
+    """Run the jobs of `jobs` (a `JobFeed` of plans with `.idx` and `.nproc`), each asked for
+    when a slot is free for it; the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
     starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
@@ -90,9 +91,9 @@ def run_jobs(
     starts and ends (`stopped`: it ended after a stop signal). Once `notice` is received (the
     stop signal, or a job preempted), it is passed on to the running jobs and no job starts.
     """
-    by_idx = {job.idx: job for job in jobs}
+    by_idx: Dict[int, Any] = {}  # the running jobs' plans
     pool = DevicePool(devices)
-    waiting = list(jobs)
+    waiting = jobs.next()  # the next job to start, composed ahead of its slot
     running: Dict[int, RunningJob] = {}
     returns: Dict[int, JobReturn] = {}
     selector = selectors.DefaultSelector()
@@ -105,13 +106,13 @@ def run_jobs(
     notice.forward = forward
     try:
         with stop.handling():
-            while waiting or running:
+            while waiting is not None or running:
                 starting = stop.signum is None and not notice.received
-                while waiting and len(running) < parallel_jobs and starting:
-                    ok, taken = pool.take(waiting[0].nproc)
+                while waiting is not None and len(running) < parallel_jobs and starting:
+                    ok, taken = pool.take(waiting.nproc)
                     if not ok:
                         break
-                    job = waiting.pop(0)
+                    job = by_idx[waiting.idx] = waiting
                     on_start(job, taken)
                     running[job.idx] = _start(server, job, taken, request_for, hard_limit_s)
                     # a signal that came as it started, after the checks above, reaches it too
@@ -120,6 +121,8 @@ def run_jobs(
                     elif notice.received and notice.signum is not None:
                         _signal(running[job.idx].pid, notice.signum)
                     selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
+                    # composed while the job just started comes up: ready for the next free slot
+                    waiting = jobs.next()
                 if not running:
                     break
                 for key, _ in selector.select(timeout=_next_timeout(running)):
@@ -133,7 +136,7 @@ def run_jobs(
                     del running[finished.idx]
                     pool.give_back(finished.devices)
                     returns[finished.idx] = _job_return(server, finished)
-                    on_end(by_idx[finished.idx], returns[finished.idx], stop.signum is not None)
+                    on_end(by_idx.pop(finished.idx), returns[finished.idx], stop.signum is not None)
                 _kill_overdue(running)
             if stop.signum is not None:
                 raise SweepStopped(stop.signum)

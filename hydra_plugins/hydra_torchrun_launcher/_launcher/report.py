@@ -106,7 +106,8 @@ class SweepReport:
         preempted: Sequence[int] = (),
         returned: Optional[Mapping[int, Any]] = None,
     ) -> None:
-        """A new batch: `jobs` are plans with `.idx`, `.overrides` and `.output_dir`; those of
+        """A new batch: `jobs` are plans with `.idx`, `.overrides`, `.output_dir` and
+        `.fingerprint` (a job not composed yet has no output dir: `composed` gives it); those of
         `done` completed in an earlier run, those of `preempted` were stopped in one: their
         outcome stays the record's until they end in this run (killed before, they still
         resume). `returned`: the return values of `done` jobs as their kept JobReturns hold
@@ -115,7 +116,7 @@ class SweepReport:
         self._to_run = [job.idx for job in jobs if job.idx not in done]
         self._ended = []
         for job in jobs:
-            subdir = os.path.relpath(job.output_dir, self.sweep_dir)
+            subdir = os.path.relpath(job.output_dir, self.sweep_dir) if job.output_dir is not None else ""
             if job.idx in done or job.idx in preempted:
                 # as recorded, where this sweep dir is now
                 recorded = self.recorded.jobs[job.idx]
@@ -130,7 +131,7 @@ class SweepReport:
                     None,
                     None,
                     None,
-                    str(job.output_dir),
+                    str(job.output_dir) if job.output_dir is not None else "",
                     job.fingerprint,
                     subdir,
                 )
@@ -142,6 +143,13 @@ class SweepReport:
                 f"returned {_short(outcome.return_value)}"
             )
         self.write()
+
+    def composed(self, job: Any) -> None:
+        """A job composed just before it runs: its job dir and fingerprint are known now."""
+        outcome = self.outcomes[job.idx]
+        outcome.job_dir = str(job.output_dir)
+        outcome.subdir = os.path.relpath(job.output_dir, self.sweep_dir)
+        outcome.fingerprint = job.fingerprint
 
     def started(self, num: int, at: Optional[float] = None) -> None:
         """The job starts (`at`: when, on the monotonic clock, if before now): RUNNING in the
@@ -206,7 +214,7 @@ class SweepReport:
                     duration,
                     _cut(_overrides(outcome)),
                     result,
-                    shown_path(outcome.job_dir),
+                    shown_path(outcome.job_dir) if outcome.job_dir else "-",
                 ]
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -148,7 +148,8 @@ def same_sweep(jobs: Sequence[Any], record: Record) -> Optional[str]:
             return f"it has no job #{job.idx}"
         if list(outcome.overrides) != list(job.overrides):
             return f"its job #{job.idx} had other overrides ({' '.join(outcome.overrides) or 'none'})"
-        if outcome.fingerprint != job.fingerprint:
+        # no fingerprint: the earlier run ended before it composed the job (it never started)
+        if outcome.fingerprint and outcome.fingerprint != job.fingerprint:
             changed = " and ".join(changed_parts(outcome.fingerprint, job.fingerprint))
             return f"job #{job.idx}'s {changed} changed"
     return None

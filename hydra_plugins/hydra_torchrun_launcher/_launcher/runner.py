@@ -21,6 +21,16 @@ from .._shared.plan import JobPlan, JobSettings
 from .preempt import StopNotice
 
 
+class JobFeed(Protocol):
+    """The jobs a runner runs, composed just in time: ask for the next one when it can start."""
+
+    def next(self) -> Optional[JobPlan]:
+        """The next job to run (composed and checked now), or None when there is none left."""
+
+    def left(self) -> int:
+        """How many jobs are left to ask for (some may yet be refused as they are composed)."""
+
+
 class JobEvents(Protocol):
     """What a runner tells the driver as its jobs go (the driver records and reports it)."""
 
@@ -51,8 +61,13 @@ class Runner(Protocol):
     def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
         """A job's launcher settings from its composed config, checked; and a line to log once."""
 
-    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
-        """What must hold across the jobs of one launch (refused in one line before any runs)."""
+    def check_sweep(self, first: JobPlan) -> None:
+        """What the first job says of the whole launch (how many jobs at once, which devices),
+        checked before anything runs: refused in one line, the sweep stops."""
+
+    def check_job(self, plan: JobPlan) -> None:
+        """What must hold of a later job against the first (a key that applies to the whole
+        sweep, what the runner can give it): refused in one line, that job ends FAILED."""
 
     def launchers_sharing_dir(self, first: JobPlan) -> int:
         """How many launcher processes (one per node) share this sweep dir."""
@@ -60,9 +75,10 @@ class Runner(Protocol):
     def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
         """What a run would do, for the user to read; nothing runs."""
 
-    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
-        """Run `plans`, telling `events`; their JobReturns by number. On a stop signal: stop
-        or cancel what runs, tell `events` of each, then raise `SweepStopped`."""
+    def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
+        """Run the jobs of `jobs`, asking for each when it can start it (not all first),
+        telling `events`; their JobReturns by number. On a stop signal: stop or cancel what
+        runs, tell `events` of each, then raise `SweepStopped`."""
 
     def stopped_words(self) -> str:
         """After `run` raised SweepStopped: what the stop did, first words of its line."""

@@ -26,7 +26,7 @@ from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
 from .._launcher.resume import PlannedResumption
-from .._launcher.runner import JobEvents
+from .._launcher.runner import JobEvents, JobFeed
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
@@ -61,6 +61,9 @@ POLL_MAX_S = 15.0
 POLL_GROWTH = 1.5
 # a job seen ended without a result is asked about again this soon, to be sure of it
 POLL_CONFIRM_S = 2.0
+# jobs are submitted as they are composed: a first chunk at once, then chunks twice as large
+FIRST_CHUNK = 8
+MAX_CHUNK = 256
 
 
 class SlurmRunner:
@@ -81,8 +84,11 @@ class SlurmRunner:
         self.options[int(config.hydra.job.num)] = slurm
         return settings, None
 
-    def check_sweep(self, plans: Sequence[JobPlan]) -> None:
+    def check_sweep(self, first: JobPlan) -> None:
         """Every job's sbatch options are its own: nothing to agree on across them."""
+
+    def check_job(self, plan: JobPlan) -> None:
+        """As `check_sweep`."""
 
     def launchers_sharing_dir(self, first: JobPlan) -> int:
         return 1  # the launcher on the login node alone; the nodes write only their job's files
@@ -90,18 +96,40 @@ class SlurmRunner:
     def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
         return _dry_run(list(plans), self.options, self.sweep_dir, recorded)
 
-    def run(self, plans: List[JobPlan], events: JobEvents) -> Dict[int, JobReturn]:
+    def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
+        """Submit the jobs in chunks as they are composed (the first within moments, however
+        many the sweep has), then wait for them all."""
         sweep = _Sweep(slurm_dir(self.sweep_dir), events)
         with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
             try:
-                sweep.submit(plans, self.options, str(self.sweep_dir))
-                return sweep.wait(plans)
+                size = FIRST_CHUNK
+                while True:
+                    chunk = _chunk(jobs, size)
+                    if not chunk:
+                        break
+                    sweep.submit(chunk, self.options, str(self.sweep_dir))
+                    size = min(MAX_CHUNK, size * 2)
+                return sweep.wait()
             except SweepStopped:
                 self.cancelled = sweep.cancel()
                 raise
 
     def stopped_words(self) -> str:
         return f"cancelled {self.cancelled}; "
+
+
+_UNKNOWN = object()
+
+
+def _chunk(jobs: JobFeed, size: int) -> List[JobPlan]:
+    """Up to `size` jobs of `jobs`, composed now."""
+    chunk: List[JobPlan] = []
+    while len(chunk) < size:
+        plan = jobs.next()
+        if plan is None:
+            break
+        chunk.append(plan)
+    return chunk
 
 
 class _Sweep:
@@ -115,6 +143,8 @@ class _Sweep:
         # job number -> SLURM id (`<array>_<number>`) of the jobs not collected yet
         self.slurm_ids: Dict[int, str] = {}
         self.submitted = read_submitted(directory)
+        # the recorded jobs of an earlier run that SLURM still has (`_still_there`), asked once
+        self.alive: Any = _UNKNOWN
         self.stop_signum: Optional[int] = None
         self.polls = 0
         # every job's JobReturn as it ends (one sbatch refused, at once)
@@ -155,7 +185,9 @@ class _Sweep:
         fresh: List[JobPlan] = []
         stale: List[str] = []
         gone: List[str] = []
-        alive = self._still_there()
+        if self.alive is _UNKNOWN:  # one squeue for the whole sweep's recorded jobs
+            self.alive = self._still_there()
+        alive = self.alive
         for plan in plans:
             self.plans[plan.idx] = plan
             self.overrides[plan.idx] = list(plan.overrides)
@@ -233,9 +265,9 @@ class _Sweep:
 
     # -- waiting --------------------------------------------------------------------------
 
-    def wait(self, plans: List[JobPlan]) -> Dict[int, JobReturn]:
+    def wait(self) -> Dict[int, JobReturn]:
         """Every job's JobReturn (those sbatch refused included), collected as each ends."""
-        by_idx = {plan.idx: plan for plan in plans}
+        by_idx = self.plans
         interval = POLL_FIRST_S
         next_poll = time.monotonic()
         while self.slurm_ids:
@@ -253,7 +285,7 @@ class _Sweep:
                 next_poll = time.monotonic() + (min(interval, POLL_CONFIRM_S) if self.ending else interval)
             if self.slurm_ids:
                 time.sleep(RESULT_CHECK_S)
-        return {idx: self.returns[idx] for idx in by_idx}
+        return self.returns
 
     def _new_run(self, runs: Dict[Tuple[int, str, str], int], idx: int, kind: str) -> Optional[int]:
         """The latest run of the job that wrote a `kind` file, unless SLURM ran it again since."""
