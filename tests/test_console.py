@@ -7,15 +7,21 @@ summary file, the job dirs, and they run the commands the launcher hands out (th
 `rerun.sh`, the dry run's `torchrun` line).
 """
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
 import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 from typing import List
 
@@ -90,16 +96,18 @@ def test_a_failed_job_is_told_once_when_it_happens(tmp_path: Path) -> None:
     # torch's own account is kept in the job's files
     assert "failed (exitcode: 1) local_rank: 1" in (app_dir / "sweep/1/torchrun_agent.log").read_text()
 
-    # the table, and the same in a file a script can read
+    # the table (its overrides column: what varies across the sweep; then one line for what
+    # every job has), and the same in a file a script can read
     table = lines[next(i for i, line in enumerate(lines) if "3 jobs: 2 completed, 1 failed" in line) + 1 :]
     assert re.match(r"#\s+status\s+time\s+overrides\s+result\s+job dir$", table[0]), out
-    assert re.match(r"0\s+COMPLETED\s+[\d.]+s\s+lr=0.1 fail_at=0.2\s+1.0\s+sweep/0$", table[1]), out
+    assert re.match(r"0\s+COMPLETED\s+[\d.]+s\s+lr=0.1\s+1.0\s+sweep/0$", table[1]), out
     assert re.match(
-        r"1\s+FAILED\s+[\d.]+s\s+lr=0.2 fail_at=0.2\s+"
+        r"1\s+FAILED\s+[\d.]+s\s+lr=0.2\s+"
         r"rank 1 exited with code 1: ValueError: lr=0.2 diverged\s+sweep/1$",
         table[2],
     ), out
-    assert re.match(r"2\s+COMPLETED\s+[\d.]+s\s+lr=0.3 fail_at=0.2\s+3.0\s+sweep/2$", table[3]), out
+    assert re.match(r"2\s+COMPLETED\s+[\d.]+s\s+lr=0.3\s+3.0\s+sweep/2$", table[3]), out
+    assert table[4] == "overrides every job has: fail_at=0.2", out
     jobs = _summary(app_dir / "sweep")
     assert [(j["num"], j["overrides"], j["status"], j["return_value"]) for j in jobs] == [
         (0, ["lr=0.1", "fail_at=0.2"], "COMPLETED", 1.0),
@@ -329,3 +337,123 @@ def test_a_stop_while_a_job_waits_for_its_other_node_ends_on_one_line(tmp_path: 
     ), output
     (job,) = [j for j in _summary(app_dir / "sweep") if j["num"] == 0]
     assert job["status"] == "STOPPED" and "stopped by signal " + name in job["error"], job
+
+
+def _on_a_terminal(app_dir: Path, *args: str, columns: int = 150) -> "tuple[int, str]":
+    """`python app.py ARGS` with a pseudo-terminal for its stdin, stdout and stderr, as a user
+    types it: its exit status, and every byte its terminal received."""
+    env = dict(os.environ, TERM="xterm")
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.pop("PYTHONUNBUFFERED", None)
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", *args],
+        cwd=app_dir,
+        env=env,
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        start_new_session=True,
+        preexec_fn=as_from_a_terminal,
+    )
+    os.close(follower)
+    received = b""
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([leader], [], [], 1)[0]:
+                continue
+            try:
+                data = os.read(leader, 1 << 16)
+            except OSError:  # EIO: every process holding the terminal has ended
+                break
+            if not data:
+                break
+            received += data
+        code = proc.wait(timeout=60)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, received.decode(errors="replace")
+
+
+def _screen(received: str) -> List[str]:
+    """The lines a terminal shows of `received`: a carriage return goes back to the line's
+    start, erase-to-end (ESC [K) cuts the line there, text writes over what is there."""
+    lines: List[str] = []
+    line: List[str] = []
+    column = 0
+    for token in re.findall(r"\x1b\[K|\r|\n|[^\x1b\r\n]", received):
+        if token == "\x1b[K":
+            del line[column:]
+        elif token == "\r":
+            column = 0
+        elif token == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        else:
+            line[column : column + 1] = [token]
+            column += 1
+    return lines + ["".join(line)] if line else lines
+
+
+def test_on_a_terminal_one_progress_line_is_redrawn_in_place_and_a_failure_prints_in_full(
+    tmp_path: Path,
+) -> None:
+    app_dir = _install(tmp_path)
+    code, received = _on_a_terminal(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3,0.4", "fail_at=0.2", "hold=1.5"
+    )
+    assert code == 1, received
+    screen = _screen(received)
+    shown = "\n".join(screen)
+
+    # one line, drawn again and again in place: jobs ended (failed), running, pending, the
+    # time elapsed and the time left
+    drawn = re.findall(r"\r\x1b\[K(sweep: [^\r\n]*)\r", received)
+    assert drawn[0] == "sweep: 0/4 ended, 0 running, 4 pending; 0:00 elapsed, ETA --", drawn
+    assert all(
+        re.fullmatch(
+            r"sweep: [0-4]/4 ended( \(1 failed\))?, [01] running, [0-4] pending; \d+:\d\d elapsed, ETA \S+", d
+        )
+        for d in drawn
+    ), drawn
+    assert any(d.startswith("sweep: 1/4 ended, 1 running, 2 pending; ") for d in drawn), drawn
+    assert any(
+        re.match(r"sweep: 2/4 ended \(1 failed\), 1 running, 1 pending; \d+:\d\d elapsed, ETA \d+:\d\d", d)
+        for d in drawn
+    ), drawn
+    assert drawn[-1].startswith("sweep: 4/4 ended (1 failed), 0 running, 0 pending; "), drawn
+    assert len(set(drawn)) >= 8, drawn  # its elapsed time moves on while a job runs
+    # none of it is left on the screen: every drawing was cleared or written over
+    assert not any(re.search(r"\d/4 ended.*pending", line) for line in screen), shown
+
+    # it takes the place of a line per job started or completed; not of a failure's
+    assert "Launching 4 jobs with torchrun into sweep" in shown, shown
+    assert not re.search(r"\t#\d : lr=", shown) and "COMPLETED in" not in shown, shown
+    failed = [i for i, line in enumerate(screen) if "job 2 of 4 ended: #1 : lr=0.2 fail_at=0.2" in line]
+    assert len(failed) == 1, shown
+    assert HYDRA_LINE.match(screen[failed[0]]) and re.search(
+        r"\] job 2 of 4 ended: #1 : lr=0.2 fail_at=0.2 hold=1.5 : FAILED in [\d.]+s: "
+        r"rank 1 \(local_rank 1, pid \d+\) exited with code 1: ValueError: lr=0.2 diverged$",
+        screen[failed[0]],
+    ), shown
+    assert screen[failed[0] + 1].startswith("\tits output: sweep/1/torchrun_logs/"), shown
+    # the rank's own traceback as it happened
+    assert any(line.startswith("[default1]:ValueError: lr=0.2 diverged") for line in screen), shown
+    # every line of the launcher's is whole: the progress line never ran into one
+    assert all(HYDRA_LINE.match(line) for line in screen if "[HYDRA]" in line), shown
+
+    # the table at the end, and Hydra's last word after it, on lines of their own
+    tally = next(i for i, line in enumerate(screen) if "4 jobs: 3 completed, 1 failed" in line)
+    assert HYDRA_LINE.match(screen[tally]), shown
+    assert re.match(r"1\s+FAILED\s+[\d.]+s\s+lr=0.2\s+rank 1 exited with code 1", screen[tally + 3]), shown
+    assert screen[tally + 6] == "overrides every job has: fail_at=0.2 hold=1.5", shown
+    assert screen[tally + 7] == "Error executing job with overrides: ['lr=0.2', 'fail_at=0.2', 'hold=1.5']", (
+        shown
+    )
+    jobs = _summary(app_dir / "sweep")
+    assert [j["status"] for j in jobs] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], jobs

@@ -49,7 +49,7 @@ from .resume import (
     targets_digest,
     task_digest,
 )
-from .runner import Runner
+from .runner import Runner, SweepDetached
 from .settings import shadowed_redirects
 from .shared_dir import publish_decision, take_decision
 from .task import app_script, pickle_task
@@ -248,6 +248,10 @@ class _Launch:
             report.log_table()
             react_to_stop(stopped, f"{self.runner.stopped_words()}{report.stop_summary()}")
             raise
+        except SweepDetached as detached:
+            report.write()
+            log.info(str(detached))
+            raise SystemExit(0) from None
         report.log_table()  # every launch ends with its table, a one-job launch too: it names the job dir
         if self.notice is not None and self.notice.received:
             report.interrupted = True
@@ -371,9 +375,8 @@ class _Launch:
         )
 
     def started(self, plan: JobPlan, detail: Optional[str]) -> None:
-        if detail is not None:
-            log.info(f"\t{job_title(plan.idx, plan.overrides)}{detail}")
-        self.report.started(plan.idx)
+        line = f"\t{job_title(plan.idx, plan.overrides)}{detail}" if detail is not None else None
+        self.report.started(plan.idx, line=line)  # on a terminal, the progress line tells it
 
     def running(self, plan: JobPlan, since: float) -> None:
         self.report.started(plan.idx, at=since)

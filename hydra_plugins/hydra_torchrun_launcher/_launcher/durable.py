@@ -6,15 +6,20 @@ are fsync'd, so a node that loses power or is requeued right after a job ended d
 come back with an empty or missing record of a job it reported.
 """
 
+import itertools
 import os
 from pathlib import Path
+
+# each rewrite its own partial file: a rewrite that interrupts another (a signal's handler)
+# never writes into the file the other one renames
+_PARTIALS = itertools.count()
 
 
 def replace_whole(path: Path, data: bytes, mode: int = 0o666) -> None:
     """Write `data` as `path`, replacing it whole, durably. `mode` is the file's (0o666: as
     the umask makes it; 0o600: owner-only whatever the umask, for what only this user may
     have written)."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{next(_PARTIALS)}")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         if mode == 0o600:

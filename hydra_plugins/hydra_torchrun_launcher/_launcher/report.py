@@ -1,32 +1,53 @@
 """What a sweep tells its user as it runs: a line per job as it ends, a table, a file.
 
 As each job ends, the launcher logs one line (job k of N, its overrides, status, duration,
-rank 0's return value or the failure), so a failure is seen when it happens. When the
-launch ends (all jobs done, or stopped), a table of its jobs follows, and every job's
-outcome is kept in `<sweep dir>/sweep_summary.json`, rewritten (whole, durably) as each
-job ends, for scripts to read: strict JSON, the jobs this run launched (sweepers that launch
-in batches add to it), never a row of an earlier run's other sweep.
+rank 0's return value or the failure), so a failure is seen when it happens. On a terminal
+a live progress line (`_launcher.progress`) takes the place of the lines of the jobs that
+start and complete; a failure still prints at once, in full. When the launch ends (all
+jobs done, or stopped), a table of its jobs follows: its overrides column shows the keys
+that vary across the sweep (one line names the overrides every job has); a launch of more
+than 20 jobs lists the jobs that did not complete, the rest is in
+`<sweep dir>/sweep_table.txt`.
+
+Every job event (launched, started, ended) is appended to the sweep's journal
+(`_launcher.journal`), on disk before the launcher goes on: that is what a resumed run reads.
+For scripts, `<sweep dir>/sweep_summary.json` holds every job's outcome: strict JSON, the
+jobs this run launched (sweepers that launch in batches add to it), never a row of an
+earlier run's other sweep. It is replaced whole (a reader never sees half of it), at most
+every few seconds while jobs run, and at once when a launch ends or is stopped; a launcher
+killed with -9 leaves it behind the journal by those few seconds at most.
 """
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
 import re
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
 from .._rank.error import failure_summary
 from .._shared.paths import shown_path
 from .durable import replace_whole
+from .journal import JOURNAL_FILE, Journal
+from .progress import ProgressLine, on_a_terminal
 
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "sweep_summary.json"
+# the full table of a large launch's jobs, beside the summary
+TABLE_FILE = "sweep_table.txt"
+# while jobs run, the summary is rewritten at most this often (the journal has every event)
+SUMMARY_INTERVAL_S = 5.0
+# a launch of more jobs than this lists only those that did not complete on the console
+LARGE_TABLE = 20
 COMPLETED, FAILED, STOPPED, NOT_STARTED = "COMPLETED", "FAILED", "STOPPED", "NOT_STARTED"
 # started and not ended yet; in a record read later: the launcher died while the job ran
 RUNNING = "RUNNING"
@@ -76,17 +97,20 @@ def job_title(num: int, overrides: Sequence[str]) -> str:
 
 
 class SweepReport:
-    """The outcomes of one launcher's jobs: progress lines, the table, the summary file.
+    """The outcomes of one launcher's jobs: progress lines, the table, the record's files.
 
-    One per launcher, so the batches of a sweeper that launches several add up in the file.
-    The file holds the jobs this run launched (`outcomes`); the record of an earlier run
+    One per launcher, so the batches of a sweeper that launches several add up in the record.
+    The record holds the jobs this run launched (`outcomes`); the record of an earlier run
     that this one resumes (`recorded`) is kept aside, and a recorded job's outcome enters
-    the file only when a batch of this run launches that job.
+    the record only when a batch of this run launches that job. The run's first event
+    starts the journal afresh: an earlier run's rows never mix with this run's.
     """
 
     def __init__(self, sweep_dir: Path, recorded: Optional["Record"] = None) -> None:
         self.sweep_dir = sweep_dir
         self.path = sweep_dir / SUMMARY_FILE
+        self.journal_path = sweep_dir / JOURNAL_FILE
+        self.table_path = sweep_dir / TABLE_FILE
         self.recorded = recorded or Record()
         self.outcomes: Dict[int, JobOutcome] = {}
         # the run was stopped between a sweeper's batches: it did not reach its end
@@ -98,6 +122,19 @@ class SweepReport:
         # of this batch: the jobs that run now (not from the record), and those that have ended
         self._to_run: List[int] = []
         self._ended: List[int] = []
+        # the record on disk: this run's journal (opened by its first event) and each job's row
+        # as the summary shows it, a new dict at each event (so that a copy of `_rows` is a
+        # snapshot another thread may write out while this one goes on)
+        self._journal: Optional[Journal] = None
+        self._rows: Dict[int, Dict[str, Any]] = {}
+        self._journaled_interrupted = False
+        self._summary_lock = threading.RLock()
+        self._summary_at: Optional[float] = None  # when it was last rewritten (monotonic)
+        self._summary_behind = False  # an event the summary does not show yet
+        self._timer: Optional[threading.Timer] = None
+        self._progress: Optional[ProgressLine] = None
+        self._pid = os.getpid()
+        _LIVE.add(self)
 
     def launching(
         self,
@@ -112,6 +149,7 @@ class SweepReport:
         outcome stays the record's until they end in this run (killed before, they still
         resume). `returned`: the return values of `done` jobs as their kept JobReturns hold
         them (what the sweeper gets), shown and written in place of the summary's copy."""
+        self._end_progress()
         self._batch = [job.idx for job in jobs]
         self._to_run = [job.idx for job in jobs if job.idx not in done]
         self._ended = []
@@ -142,27 +180,36 @@ class SweepReport:
                 f"\t{job_title(num, outcome.overrides)} : COMPLETED in an earlier run, "
                 f"returned {_short(outcome.return_value)}"
             )
-        self.write()
+        self._event(self._batch)
+        if self._to_run and on_a_terminal(log):
+            self._progress = ProgressLine(len(self._to_run), log)
+            self._progress.start()
 
     def composed(self, job: Any) -> None:
-        """A job composed just before it runs: its job dir and fingerprint are known now."""
+        """A job composed just before it runs: its job dir and fingerprint are known now (in
+        the record from its next event on, its start)."""
         outcome = self.outcomes[job.idx]
         outcome.job_dir = str(job.output_dir)
         outcome.subdir = os.path.relpath(job.output_dir, self.sweep_dir)
         outcome.fingerprint = job.fingerprint
 
-    def started(self, num: int, at: Optional[float] = None) -> None:
+    def started(self, num: int, at: Optional[float] = None, line: Optional[str] = None) -> None:
         """The job starts (`at`: when, on the monotonic clock, if before now): RUNNING in the
-        summary file until it ends, so that a record left by a launcher that died (kill -9, a
-        node failure) says the job did not end."""
+        record until it ends, so that a record left by a launcher that died (kill -9, a node
+        failure) says the job did not end. `line`: what to say of it (its title, where it
+        runs), logged; on a terminal the progress line counts it instead."""
         self._started[num] = time.monotonic() if at is None else at
         self.outcomes[num].status = RUNNING
-        self.write()
+        if self._progress is not None:
+            self._progress.job_started(num)
+        elif line is not None:
+            log.info(line)
+        self._event([num])
 
     def ended(self, num: int, job_return: JobReturn, status: str, ranks_ran: bool = False) -> None:
         """Record the job's outcome (`status`: one of this module's; `ranks_ran`: its ranks
-        have run in its job dir, now or in the run this one resumes), log its line and
-        rewrite the summary file."""
+        have run in its job dir, now or in the run this one resumes) and log its line (on a
+        terminal, a completed job's line is the progress line's count)."""
         outcome = self.outcomes[num]
         outcome.duration_s = round(time.monotonic() - self._started[num], 3)
         outcome.status = status
@@ -173,33 +220,114 @@ class SweepReport:
         else:
             outcome.return_value = None
             outcome.error = failure_summary(job_return._return_value)
-        self.write()
         self._ended.append(num)
+        # the launch's last job: the summary is rewritten now, whatever the time
+        last = len(self._ended) >= len(self._to_run)
+        self._event([num], now=last)
+        if self._progress is not None:
+            self._progress.job_ended(num, failed=outcome.status == FAILED)
         line = (
             f"job {len(self._ended)} of {len(self._to_run)} ended: {job_title(num, outcome.overrides)} : "
             f"{outcome.status} in {outcome.duration_s:.2f}s"
         )
         if outcome.status == COMPLETED:
-            log.info(f"{line}, returned {_short(outcome.return_value)}")
+            if self._progress is None:
+                log.info(f"{line}, returned {_short(outcome.return_value)}")
         else:
             first, *rest = (outcome.error or "").splitlines() or [""]
             log.error("\n\t".join([f"{line}: {first}", *rest]))
+        if last:
+            self._end_progress()
 
     def write(self) -> None:
-        """The summary file, replaced whole and durably: a reader never sees half of it."""
+        """The record on disk now, as the launch ends (stopped, preempted, detached): the
+        journal (and whether the run was interrupted), and the summary file, replaced whole
+        (a reader never sees half of it). No progress line is left drawn."""
+        self._end_progress()
+        self._event([], now=True)
+
+    def _event(self, nums: Sequence[int], now: bool = False) -> None:
+        """Jobs `nums` changed: their rows in the journal, on disk before this returns; in the
+        summary at once when `now`, else within SUMMARY_INTERVAL_S."""
         if not self.writes:
             return
-        jobs = [asdict(self.outcomes[num]) for num in sorted(self.outcomes)]
-        record: Dict[str, Any] = {"jobs": jobs}
-        if self.interrupted:
-            record["interrupted"] = True
-        text = json.dumps(record, indent=1, default=repr, allow_nan=False) + "\n"
-        replace_whole(self.path, text.encode())
+        for num in nums:
+            self._rows[num] = asdict(self.outcomes[num])
+        lines: List[Dict[str, Any]] = [{"job": self._rows[num]} for num in nums]
+        if self._journal is None:
+            # the run's first event: its journal starts afresh, with every job of the run
+            lines = [{"job": self._rows[num]} for num in sorted(self._rows)]
+        if self._journal is None or self.interrupted != self._journaled_interrupted:
+            if self.interrupted or self._journal is not None:
+                lines.append({"interrupted": self.interrupted})
+            self._journaled_interrupted = self.interrupted
+        if self._journal is None:
+            self._journal = Journal.fresh(self.journal_path, lines)
+            self.table_path.unlink(missing_ok=True)  # an earlier run's
+        else:
+            self._journal.append(lines)
+        self._summary_behind = True
+        self._rewrite_summary(now)
 
-    def table(self) -> str:
-        """This launch's jobs, a row each: number, status, time, overrides, result, job dir."""
+    def _rewrite_summary(self, now: bool = False) -> None:
+        """The summary rewritten if an event is not in it yet: at once when `now` or when the
+        last rewrite is SUMMARY_INTERVAL_S old; else by a timer, when it is."""
+        if not self.writes or not self._summary_behind:
+            return
+        wait = 0.0
+        if not now and self._summary_at is not None:
+            wait = self._summary_at + SUMMARY_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._write_summary()
+        elif self._timer is None:
+            self._timer = threading.Timer(wait, self._on_timer)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _write_summary(self) -> None:
+        with self._summary_lock:  # one rewrite at a time, each of a later snapshot
+            self._summary_behind = False
+            rows, interrupted = self._rows.copy(), self.interrupted
+            record: Dict[str, Any] = {"jobs": [rows[num] for num in sorted(rows)]}
+            if interrupted:
+                record["interrupted"] = True
+            text = json.dumps(record, indent=1, default=repr, allow_nan=False) + "\n"
+            replace_whole(self.path, text.encode())
+            self._summary_at = time.monotonic()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._rewrite_quietly()
+
+    def _at_exit(self) -> None:
+        """The process ends (however the sweep ended): no line left drawn, the summary whole."""
+        if os.getpid() != self._pid:
+            return
+        self._end_progress()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._rewrite_quietly(now=True)
+
+    def _rewrite_quietly(self, now: bool = False) -> None:
+        """The summary rewritten where it can be (away from the launcher's own steps, which
+        an error here must not end): a full disk is said, a sweep dir removed is not."""
+        try:
+            self._rewrite_summary(now)
+        except Exception as e:  # the journal has every event; the next rewrite may work
+            if self.sweep_dir.is_dir():
+                log.warning(f"{shown_path(str(self.path))} could not be rewritten ({type(e).__name__}: {e})")
+
+    def _end_progress(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.close()
+
+    def table(self, nums: Optional[Sequence[int]] = None) -> str:
+        """The jobs' rows (this launch's, or `nums`): number, status, time, overrides (those
+        that vary across the sweep), result, job dir."""
+        shown = _varying_overrides([outcome.overrides for outcome in self.outcomes.values()])
         rows = [["#", "status", "time", "overrides", "result", "job dir"]]
-        for num in self._batch:
+        for num in self._batch if nums is None else nums:
             outcome = self.outcomes[num]
             if outcome.status == COMPLETED:
                 result = _short(outcome.return_value)
@@ -212,7 +340,7 @@ class SweepReport:
                     str(num),
                     outcome.status,
                     duration,
-                    _cut(_overrides(outcome)),
+                    _cut(shown(outcome.overrides)),
                     result,
                     shown_path(outcome.job_dir) if outcome.job_dir else "-",
                 ]
@@ -221,11 +349,32 @@ class SweepReport:
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
     def log_table(self) -> None:
+        """The launch's end: the summary up to date, then the tally and the table (of a large
+        launch: the jobs that did not complete; every job's row in TABLE_FILE)."""
+        self._end_progress()
+        self._rewrite_summary(now=True)
         counts: Dict[str, int] = {}
         for num in self._batch:
             counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
         tally = ", ".join(f"{count} {_word(status)}" for status, count in counts.items())
-        log.info(f"{len(self._batch)} jobs: {tally} (summary: {shown_path(str(self.path))})\n{self.table()}")
+        lines = [f"{len(self._batch)} jobs: {tally} (summary: {shown_path(str(self.path))})"]
+        common = _common_overrides([outcome.overrides for outcome in self.outcomes.values()])
+        every = [f"overrides every job has: {' '.join(common)}"] if common else []
+        if len(self._batch) > LARGE_TABLE and self.writes:
+            replace_whole(
+                self.table_path, "\n".join([self.table(sorted(self.outcomes)), *every, ""]).encode()
+            )
+            listed = [n for n in self._batch if self.outcomes[n].status not in (COMPLETED, NOT_STARTED)]
+            said = f"every job's row is in {shown_path(str(self.table_path))}"
+            if listed:
+                first = f", the first {LARGE_TABLE}" if len(listed) > LARGE_TABLE else ""
+                said += f"; below, the {len(listed)} that did not complete{first}"
+                lines += [said, self.table(listed[:LARGE_TABLE])]
+            else:
+                lines.append(said)
+        else:
+            lines.append(self.table())
+        log.info("\n".join(lines + every))
 
     def stop_summary(self) -> str:
         """One line after a stop: which jobs finished, which were stopped, where their logs are."""
@@ -246,6 +395,34 @@ class SweepReport:
         return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
 
 
+# the reports of this process: at its exit, each one's summary is made whole
+_LIVE: "weakref.WeakSet[SweepReport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _reports_at_exit() -> None:
+    for report in list(_LIVE):
+        report._at_exit()
+
+
+def _common_overrides(overrides: Iterable[Sequence[str]]) -> List[str]:
+    """The overrides (Hydra's own left out) that every one of the jobs has, in the first
+    one's order; none for fewer than two jobs or when no job differs from another: then the
+    table shows every override."""
+    lists = [filter_overrides(list(o)) for o in overrides]
+    if len(lists) < 2:
+        return []
+    common = [o for o in lists[0] if all(o in other for other in lists[1:])]
+    return [] if all(len(other) == len(common) for other in lists) else common
+
+
+def _varying_overrides(overrides: Iterable[Sequence[str]]) -> Callable[[Sequence[str]], str]:
+    """What the table's overrides column shows of a job: the overrides that vary across
+    the jobs (a key swept, or set in some jobs only), not those every job has."""
+    common = set(_common_overrides(overrides))
+    return lambda own: " ".join(o for o in filter_overrides(list(own)) if o not in common)
+
+
 def job_numbers(nums: Iterable[int]) -> str:
     """Job numbers as a line says them, runs shortened: "#0, #2-#299" (a stopped sweep of
     300 jobs says so in a few words, not 299 numbers)."""
@@ -261,10 +438,6 @@ def job_numbers(nums: Iterable[int]) -> str:
 def _word(status: str) -> str:
     """NOT_STARTED -> "not started", as the console's sentences say it."""
     return status.lower().replace("_", " ")
-
-
-def _overrides(outcome: JobOutcome) -> str:
-    return " ".join(filter_overrides(outcome.overrides))
 
 
 def strict_json(text: str) -> Any:
