@@ -1,15 +1,51 @@
-"""Structured config of `hydra/launcher=torchrun`.
+"""Structured config of `hydra/launcher=torchrun` and `hydra/launcher=torchrun_slurm`.
 
 Hydra imports this module on every run of every app (plugin discovery), so it must stay
-cheap: a dataclass and the ConfigStore only, never torch. The keys mirror torchrun's flags
+cheap: dataclasses and the ConfigStore only, never torch. The keys mirror torchrun's flags
 (underscore spelling) so that a torchrun command line translates key for key; values are
 checked when a sweep is launched, in `_launcher.settings`.
+
+Each key is described once, by its field: its default, and (`_key`) what the rest of the
+package needs to know of it, read back with `described`: the torchrun flag it is, the
+LaunchConfig field that carries it, whether it changes what a job computes, whether a job
+has it on its own (and so `hydra/launcher=torchrun_slurm` too).
 """
 
-from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
+
+
+def _key(
+    default: Any = MISSING,
+    *,
+    factory: Any = MISSING,
+    fingerprinted: bool,
+    per_job: bool = False,
+    torchrun: Optional[str] = None,
+    pet: bool = True,
+    launch_config: Optional[str] = None,
+) -> Any:
+    """A launcher key: its default (`factory` for a list), and its description.
+
+    fingerprinted: it changes what a job computes (the record's fingerprint holds it: a
+        changed value makes another sweep); not: it says how or where jobs run, or what they show.
+    per_job: a job has it on its own, wherever it runs: `hydra/launcher=torchrun_slurm` has
+        it too. Not: it places the sweep's jobs on this launcher's nodes (rendezvous, devices).
+    torchrun: torchrun's own option for it (`--nnodes`), or its positional argument's name.
+    pet: some torchrun reads that option from `PET_<KEY>` too (torch's `env` actions).
+    launch_config: the LaunchConfig field that carries it, where an older torch lacks that
+        field (the key is refused by name when set on such a torch).
+    """
+    metadata: Dict[str, Any] = {"fingerprinted": fingerprinted, "per_job": per_job}
+    if torchrun is not None:
+        metadata.update(torchrun=torchrun, pet=pet)
+    if launch_config is not None:
+        metadata["launch_config"] = launch_config
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -18,123 +54,155 @@ class TorchrunLauncherConf:
 
     # --- torchrun's flags ---
     # "N" or "MIN:MAX"
-    nnodes: Any = 1
+    nnodes: Any = _key(1, torchrun="--nnodes", fingerprinted=True)
     # int, or gpu / cpu / auto / xpu as torchrun accepts
-    nproc_per_node: Any = 1
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
+    nproc_per_node: Any = _key(1, torchrun="--nproc-per-node", fingerprinted=True, per_job=True)
+    rdzv_backend: str = _key("static", torchrun="--rdzv-backend", fingerprinted=True)
+    rdzv_endpoint: str = _key("", torchrun="--rdzv-endpoint", fingerprinted=False)
     # null: an id of its own for every sweep job (derived from the sweep and the job number)
-    rdzv_id: Optional[str] = None
+    rdzv_id: Optional[str] = _key(None, torchrun="--rdzv-id", fingerprinted=False)
     # "key=value,key=value" as torchrun takes it, or a mapping
-    rdzv_conf: Any = ""
-    standalone: bool = False
-    max_restarts: int = 0
+    rdzv_conf: Any = _key("", torchrun="--rdzv-conf", fingerprinted=True, per_job=True)
+    standalone: bool = _key(False, torchrun="--standalone", fingerprinted=True)
+    max_restarts: int = _key(0, torchrun="--max-restarts", fingerprinted=True, per_job=True)
     # seconds between checks of the ranks: a job ends at most this long after its ranks
-    monitor_interval: float = 0.1
+    monitor_interval: float = _key(0.1, torchrun="--monitor-interval", fingerprinted=False, per_job=True)
     # forkserver: ranks fork from a server that has torch imported and never touched CUDA
-    start_method: str = "forkserver"
-    role: str = "default"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
+    start_method: str = _key("forkserver", torchrun="--start-method", fingerprinted=False, per_job=True)
+    role: str = _key("default", torchrun="--role", fingerprinted=True, per_job=True)
+    module: bool = _key(False, torchrun="--module", fingerprinted=True, per_job=True)
+    no_python: bool = _key(False, torchrun="--no-python", fingerprinted=True, per_job=True)
+    run_path: bool = _key(False, torchrun="--run-path", fingerprinted=True, per_job=True)
     # null: <job output dir>/torchrun_logs
-    log_dir: Optional[str] = None
+    log_dir: Optional[str] = _key(None, torchrun="--log-dir", fingerprinted=False, per_job=True)
     # torchrun's Std spec: 0 none, 1 stdout, 2 stderr, 3 both; or "0:3,1:0" per local rank
-    redirects: Any = "0"
+    redirects: Any = _key("0", torchrun="--redirects", fingerprinted=False, per_job=True)
     # 3: every rank's stdout and stderr go to files and to the console
-    tee: Any = "3"
+    tee: Any = _key("3", torchrun="--tee", fingerprinted=False, per_job=True)
     # "0,1": local ranks whose output the console shows (files always keep all)
-    local_ranks_filter: str = ""
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    local_ranks_filter: str = _key(
+        "", torchrun="--local-ranks-filter", launch_config="logs_specs", fingerprinted=False, per_job=True
+    )
+    node_rank: int = _key(0, torchrun="--node-rank", fingerprinted=False)
+    master_addr: str = _key("127.0.0.1", torchrun="--master-addr", fingerprinted=False)
     # null: every job gets a free port of its own
-    master_port: Optional[int] = None
-    local_addr: Optional[str] = None
-    training_script: Optional[str] = None
-    training_script_args: List[str] = field(default_factory=list)
+    master_port: Optional[int] = _key(None, torchrun="--master-port", fingerprinted=False)
+    local_addr: Optional[str] = _key(
+        None, torchrun="--local-addr", launch_config="local_addr", fingerprinted=False, per_job=True
+    )
+    training_script: Optional[str] = _key(
+        None, torchrun="training_script", pet=False, fingerprinted=True, per_job=True
+    )
+    training_script_args: List[str] = _key(
+        factory=list, torchrun="training_script_args", pet=False, fingerprinted=True, per_job=True
+    )
     # name of a `torchrun.logs_specs` entry point
-    logs_specs: Optional[str] = None
-    numa_binding: Optional[str] = None
-    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    logs_specs: Optional[str] = _key(
+        None,
+        torchrun="--logs-specs",
+        pet=False,
+        launch_config="logs_specs",
+        fingerprinted=False,
+        per_job=True,
+    )
+    numa_binding: Optional[str] = _key(
+        None,
+        torchrun="--numa-binding",
+        pet=False,
+        launch_config="numa_options",
+        fingerprinted=True,
+        per_job=True,
+    )
+    signals_to_handle: str = _key(
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        torchrun="--signals-to-handle",
+        launch_config="signals_to_handle",
+        fingerprinted=False,
+        per_job=True,
+    )
     # seconds between the graceful signal and SIGKILL when ranks are stopped
-    shutdown_timeout: int = 5
-    virtual_local_rank: bool = False
-    log_line_prefix_template: Optional[str] = None
+    shutdown_timeout: int = _key(
+        5, torchrun="--shutdown-timeout", launch_config="shutdown_timeout", fingerprinted=False, per_job=True
+    )
+    virtual_local_rank: bool = _key(
+        False,
+        torchrun="--virtual-local-rank",
+        launch_config="virtual_local_rank",
+        fingerprinted=True,
+        per_job=True,
+    )
+    log_line_prefix_template: Optional[str] = _key(
+        None,
+        torchrun="--log-line-prefix-template",
+        launch_config="log_line_prefix_template",
+        fingerprinted=False,
+        per_job=True,
+    )
     # torch's event handler name ("console", ...); null: torch's "null" handler
-    event_log_handler: Optional[str] = None
-    duplicate_stdout_filters: Optional[List[str]] = None
-    duplicate_stderr_filters: Optional[List[str]] = None
+    event_log_handler: Optional[str] = _key(
+        None,
+        torchrun="--event-log-handler",
+        launch_config="event_log_handler",
+        fingerprinted=False,
+        per_job=True,
+    )
+    duplicate_stdout_filters: Optional[List[str]] = _key(
+        None,
+        torchrun="--duplicate-stdout-filters",
+        launch_config="duplicate_stdout_filters",
+        fingerprinted=False,
+        per_job=True,
+    )
+    duplicate_stderr_filters: Optional[List[str]] = _key(
+        None,
+        torchrun="--duplicate-stderr-filters",
+        launch_config="duplicate_stderr_filters",
+        fingerprinted=False,
+        per_job=True,
+    )
 
     # --- the plugin's own ---
     # how many sweep jobs run at once on this node
-    parallel_jobs: int = 1
+    parallel_jobs: int = _key(1, fingerprinted=False)
     # device ids that concurrent jobs share out (null: all visible)
-    devices: Optional[List[Any]] = None
+    devices: Optional[List[Any]] = _key(None, fingerprinted=False)
     # seconds; a job still running then is stopped and FAILED
-    job_timeout: Optional[float] = None
+    job_timeout: Optional[float] = _key(None, fingerprinted=False, per_job=True)
     # command put before every rank's interpreter, e.g. [numactl, --cpunodebind=0]
-    launch_prefix: List[str] = field(default_factory=list)
+    launch_prefix: List[str] = _key(factory=list, fingerprinted=False, per_job=True)
     # auto: take nnodes / node_rank / rendezvous from the cluster environment found first of
     # SLURM (an srun step), torchrun's PET_* variables (Kubernetes), MPI (mpirun), LSF (jsrun);
     # slurm / pet / mpi / lsf: require that one; none: off
-    cluster: str = "auto"
+    cluster: str = _key("auto", fingerprinted=False)
     # what the warm server imports once per sweep so ranks start with it: auto = torch plus
     # the installed packages the app had imported when the sweep launched; a list = torch
     # plus those modules; [] = torch only
-    preload: Any = "auto"
+    preload: Any = _key("auto", fingerprinted=False)
     # the signal that asks running jobs to stop at their next step boundary (a preemption
     # notice: SLURM's --signal=USR2@120); null: none. Not USR1: NCCL uses it
-    stop_signal: Optional[str] = "SIGUSR2"
+    stop_signal: Optional[str] = _key("SIGUSR2", fingerprinted=False, per_job=True)
     # seconds the ranks have, after a stop request, to checkpoint and return; then they
     # are stopped as on a failure
-    stop_timeout: float = 300.0
+    stop_timeout: float = _key(300.0, fingerprinted=False, per_job=True)
     # auto: after a stop inside a requeue-able SLURM batch job, node 0 requeues it; false: never
-    requeue: Any = "auto"
+    requeue: Any = _key("auto", fingerprinted=False)
     # auto: a sweep dir that holds this launcher's record of the same sweep resumes it
     # (completed jobs come from the record, the others run); true: as auto, and an error
     # when there is nothing to resume; false: every job runs
-    resume: Any = "auto"
-    # print every job's plan (overrides, ranks, devices, rendezvous, the equivalent torchrun
-    # command) and start nothing
-    dry_run: bool = False
+    resume: Any = _key("auto", fingerprinted=False, per_job=True)
+    # print every job's plan and start nothing: here its ranks, devices, rendezvous and the
+    # equivalent torchrun command; under SLURM its sbatch script
+    dry_run: bool = _key(False, fingerprinted=False, per_job=True)
 
 
-# the keys above that are torchrun's own flags (the first section of TorchrunLauncherConf)
-TORCHRUN_FLAGS: Tuple[str, ...] = (
-    "nnodes",
-    "nproc_per_node",
-    "rdzv_backend",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "rdzv_conf",
-    "standalone",
-    "max_restarts",
-    "monitor_interval",
-    "start_method",
-    "role",
-    "module",
-    "no_python",
-    "run_path",
-    "log_dir",
-    "redirects",
-    "tee",
-    "local_ranks_filter",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "local_addr",
-    "training_script",
-    "training_script_args",
-    "logs_specs",
-    "numa_binding",
-    "signals_to_handle",
-    "shutdown_timeout",
-    "virtual_local_rank",
-    "log_line_prefix_template",
-    "event_log_handler",
-    "duplicate_stdout_filters",
-    "duplicate_stderr_filters",
-)
+def described(what: str) -> Dict[str, Any]:
+    """The keys of TorchrunLauncherConf whose description (`_key`) has `what`, each with its
+    value there, in the keys' order: `described("torchrun")` is torchrun's keys and their flags."""
+    return {f.name: f.metadata[what] for f in fields(TorchrunLauncherConf) if what in f.metadata}
+
+
+# torchrun's own keys (the first section of TorchrunLauncherConf), each with its flag
+TORCHRUN_FLAGS: Dict[str, str] = described("torchrun")
 
 # Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field
 # structured config costs Hydra's start-up about 4 ms on every run of every app. The types
@@ -147,28 +215,12 @@ ConfigStore.instance().store(
 )
 
 
-def _as_in_torchrun_launcher(key: str) -> Any:
-    """A field with `key`'s default in TorchrunLauncherConf: the SLURM launcher's per-job keys
-    mean what they mean there, so their defaults are written once."""
-    local: Field = next(f for f in fields(TorchrunLauncherConf) if f.name == key)
-    if local.default_factory is not MISSING:
-        return field(default_factory=local.default_factory)
-    return field(default=local.default)
-
-
-@dataclass
-class TorchrunSlurmLauncherConf:
-    """`hydra/launcher=torchrun_slurm`: every sweep job a SLURM job of its own, from a login node.
-
-    The first section is hydra-submitit-launcher's keys under the same names and meanings
-    (a config written for `submitit_slurm` keeps working); the second the torchrun
-    launcher's keys that make sense per job (`nodes` stands for `nnodes`; the rendezvous is
-    on the job's first node, on a port of the job's own).
-    """
+@dataclass(init=False, repr=False, eq=False)
+class _SlurmQueueConf:
+    """hydra-submitit-launcher's keys (its `SlurmQueueConf`) under the same names and meanings:
+    a config written for `submitit_slurm` keeps working."""
 
     _target_: str = "hydra_plugins.hydra_torchrun_launcher.torchrun_launcher.TorchrunSlurmLauncher"
-
-    # --- hydra-submitit-launcher's keys ---
     # the job's time limit (sbatch --time), minutes
     timeout_min: int = 60
     nodes: int = 1
@@ -201,72 +253,97 @@ class TorchrunSlurmLauncherConf:
     # how many times a job that reached its time limit is requeued (preemptions always are)
     max_num_timeout: int = 0
 
-    # --- the torchrun launcher's keys that make sense per job ---
-    nproc_per_node: Any = _as_in_torchrun_launcher("nproc_per_node")
-    rdzv_conf: Any = _as_in_torchrun_launcher("rdzv_conf")
-    max_restarts: int = _as_in_torchrun_launcher("max_restarts")
-    monitor_interval: float = _as_in_torchrun_launcher("monitor_interval")
-    start_method: str = _as_in_torchrun_launcher("start_method")
-    role: str = _as_in_torchrun_launcher("role")
-    module: bool = _as_in_torchrun_launcher("module")
-    no_python: bool = _as_in_torchrun_launcher("no_python")
-    run_path: bool = _as_in_torchrun_launcher("run_path")
-    log_dir: Optional[str] = _as_in_torchrun_launcher("log_dir")
-    redirects: Any = _as_in_torchrun_launcher("redirects")
-    tee: Any = _as_in_torchrun_launcher("tee")
-    local_ranks_filter: str = _as_in_torchrun_launcher("local_ranks_filter")
-    local_addr: Optional[str] = _as_in_torchrun_launcher("local_addr")
-    training_script: Optional[str] = _as_in_torchrun_launcher("training_script")
-    training_script_args: List[str] = _as_in_torchrun_launcher("training_script_args")
-    logs_specs: Optional[str] = _as_in_torchrun_launcher("logs_specs")
-    numa_binding: Optional[str] = _as_in_torchrun_launcher("numa_binding")
-    signals_to_handle: str = _as_in_torchrun_launcher("signals_to_handle")
-    shutdown_timeout: int = _as_in_torchrun_launcher("shutdown_timeout")
-    virtual_local_rank: bool = _as_in_torchrun_launcher("virtual_local_rank")
-    log_line_prefix_template: Optional[str] = _as_in_torchrun_launcher("log_line_prefix_template")
-    event_log_handler: Optional[str] = _as_in_torchrun_launcher("event_log_handler")
-    duplicate_stdout_filters: Optional[List[str]] = _as_in_torchrun_launcher("duplicate_stdout_filters")
-    duplicate_stderr_filters: Optional[List[str]] = _as_in_torchrun_launcher("duplicate_stderr_filters")
-    job_timeout: Optional[float] = _as_in_torchrun_launcher("job_timeout")
-    launch_prefix: List[str] = _as_in_torchrun_launcher("launch_prefix")
-    stop_signal: Optional[str] = _as_in_torchrun_launcher("stop_signal")
-    stop_timeout: float = _as_in_torchrun_launcher("stop_timeout")
-    resume: Any = _as_in_torchrun_launcher("resume")
-    # print every job's sbatch script and submit nothing
-    dry_run: bool = False
 
+# the keys of TorchrunSlurmLauncherConf that are SLURM's; the others are the torchrun
+# launcher's own, with the same meaning there
+SLURM_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SlurmQueueConf) if f.name != "_target_")
 
-# the keys of TorchrunSlurmLauncherConf that are SLURM's (the first section); the others
-# are the torchrun launcher's own, with the same meaning there
-SLURM_KEYS: Tuple[str, ...] = (
-    "timeout_min",
-    "nodes",
-    "partition",
-    "qos",
-    "account",
-    "comment",
-    "constraint",
-    "exclude",
-    "gres",
-    "gpus_per_node",
-    "cpus_per_task",
-    "cpus_per_gpu",
-    "gpus_per_task",
-    "mem_gb",
-    "mem_per_gpu",
-    "mem_per_cpu",
-    "name",
-    "setup",
-    "srun_args",
-    "additional_parameters",
-    "array_parallelism",
-    "signal_delay_s",
-    "max_num_timeout",
+# The per-job keys as a base of TorchrunSlurmLauncherConf, made of TorchrunLauncherConf's own
+# fields: TorchrunLauncherConf cannot inherit it, as its order (what `--cfg hydra` prints)
+# interleaves per-job keys with the others. Each base has a docstring: without one,
+# dataclass writes one from inspect.signature, which costs 2 ms at import here.
+PerJobConf = make_dataclass(
+    "PerJobConf",
+    [
+        (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+        for f in fields(TorchrunLauncherConf)
+        if f.metadata.get("per_job")
+    ],
+    namespace={
+        "__doc__": "The torchrun launcher's keys that a job has on its own (`per_job`), in its "
+        "order, with its defaults and descriptions: what every way of running jobs shares."
+    },
+    init=False,
+    repr=False,
+    eq=False,
 )
+
+
+@dataclass
+class TorchrunSlurmLauncherConf(PerJobConf, _SlurmQueueConf):
+    """`hydra/launcher=torchrun_slurm`: every sweep job a SLURM job of its own, from a login node.
+
+    hydra-submitit-launcher's keys (`_SlurmQueueConf`), then the torchrun launcher's keys
+    that a job has on its own (`PerJobConf`): `nodes` stands for `nnodes`; the rendezvous is
+    on the job's first node, on a port of the job's own.
+    """
+
+    # submit every job, record it and end: the jobs run on without this command (the same
+    # command without detach comes back for their results; `torchrun-sweep status <sweep dir>`)
+    detach: bool = False
+
 
 ConfigStore.instance().store(
     group="hydra/launcher",
     name="torchrun_slurm",
     node=asdict(TorchrunSlurmLauncherConf()),
+    provider="hydra_torchrun_launcher",
+)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class _SshHostsConf:
+    """The hosts of `hydra/launcher=torchrun_ssh` and how ssh reaches them."""
+
+    _target_: str = "hydra_plugins.hydra_torchrun_launcher.torchrun_launcher.TorchrunSshLauncher"
+    # host names as ssh knows them (its config's Host aliases too)
+    hosts: List[str] = field(default_factory=list)
+    # or a file of hosts, one a line; DeepSpeed's `host slots=N` (N devices the jobs there
+    # share out; a host without slots runs one job at a time); `#` starts a comment
+    hostfile: Optional[str] = None
+    # hosts per job; its nodes meet in a c10d rendezvous on its first host
+    nodes: int = 1
+    # how many jobs run at once; null: as many as the hosts hold
+    parallel_jobs: Optional[int] = None
+    # more ssh arguments, after the launcher's own (-T -o BatchMode=yes): [-F, ssh_config]
+    ssh_options: List[str] = field(default_factory=list)
+    # the interpreter on the hosts; null: this one's path
+    python: Optional[str] = None
+    # the head's variables the ranks get (names, PREFIX* patterns), besides every env_set key
+    env_forward: List[str] = field(
+        default_factory=lambda: [
+            *("NCCL_*", "CUDA_*", "PYTHON*", "OMP_*", "HF_*", "WANDB_*", "TORCH_*", "UCX_*", "FI_*")
+        ]
+    )
+
+
+# the keys of TorchrunSshLauncherConf that are the hosts'; the others are the torchrun
+# launcher's own, with the same meaning there
+SSH_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SshHostsConf) if f.name != "_target_")
+
+
+@dataclass
+class TorchrunSshLauncherConf(PerJobConf, _SshHostsConf):
+    """`hydra/launcher=torchrun_ssh`: the sweep's jobs on a few hosts over ssh, no scheduler.
+
+    The hosts' keys (`_SshHostsConf`), then the torchrun launcher's keys that a job has on
+    its own (`PerJobConf`): `nodes` stands for `nnodes`.
+    """
+
+
+ConfigStore.instance().store(
+    group="hydra/launcher",
+    name="torchrun_ssh",
+    node=asdict(TorchrunSshLauncherConf()),
     provider="hydra_torchrun_launcher",
 )

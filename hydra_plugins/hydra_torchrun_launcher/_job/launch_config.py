@@ -20,25 +20,13 @@ from torch.distributed.launcher.api import LaunchConfig
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings, Rendezvous
 from .._shared.signals import not_ignored, signals_named
-from ..config import TorchrunLauncherConf
+from ..config import TorchrunLauncherConf, described
 from .torch_adjustments import close_takes_a_timeout
 
 log = logging.getLogger(__name__)
 
 # plugin keys -> the LaunchConfig field that carries each (when torch has it)
-_FIELD_OF_KEY = {
-    "log_line_prefix_template": "log_line_prefix_template",
-    "event_log_handler": "event_log_handler",
-    "signals_to_handle": "signals_to_handle",
-    "duplicate_stdout_filters": "duplicate_stdout_filters",
-    "duplicate_stderr_filters": "duplicate_stderr_filters",
-    "virtual_local_rank": "virtual_local_rank",
-    "shutdown_timeout": "shutdown_timeout",
-    "numa_binding": "numa_options",
-    "local_addr": "local_addr",
-    "local_ranks_filter": "logs_specs",
-    "logs_specs": "logs_specs",
-}
+_FIELD_OF_KEY: Dict[str, str] = described("launch_config")
 
 
 _WARNED: Set[str] = set()

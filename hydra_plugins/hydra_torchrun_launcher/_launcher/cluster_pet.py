@@ -19,15 +19,12 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
 from .._shared.torchrun_cli import read_from_pet_variables
-from ..config import TORCHRUN_FLAGS, TorchrunLauncherConf
+from ..config import TorchrunLauncherConf, described
 from .cluster_layout import Detection
 from .settings import checked_settings
 
-# torchrun flags that torchrun takes from its command line only (no PET_ variable): the
-# script and its arguments, and flags declared without torch's `env` action
-_COMMAND_LINE_ONLY = frozenset({"training_script", "training_script_args", "logs_specs", "numa_binding"})
 # launcher keys that some torchrun (the newest) reads from PET_<KEY>
-PET_KEYS: Tuple[str, ...] = tuple(key for key in TORCHRUN_FLAGS if key not in _COMMAND_LINE_ONLY)
+PET_KEYS: Tuple[str, ...] = tuple(key for key, read in described("pet").items() if read)
 
 
 def read_here() -> Tuple[str, ...]:

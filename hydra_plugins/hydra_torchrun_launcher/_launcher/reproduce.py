@@ -29,6 +29,7 @@ from .._job.agent import job_log_dir, script_command, script_path
 from .._job.launch_config import means_the_default, prefix_template
 from .._shared.plan import JobPlan
 from .._shared.torchrun_cli import read_from_pet_variables, torchrun_options
+from ..config import TORCHRUN_FLAGS
 from .resume import PlannedResumption
 
 RERUN_SCRIPT = "rerun.sh"
@@ -112,33 +113,36 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
     conf = plan.settings.conf
     rdzv = plan.rendezvous
     rdzv_conf = {k: v for k, v in rdzv.configs.items() if k != "rank"}
-    flags: List[Any] = [
-        ("--nnodes", conf.nnodes),
-        ("--nproc-per-node", conf.nproc_per_node),
-        ("--rdzv-backend", rdzv.backend),
-        ("--rdzv-endpoint", rdzv.endpoint),
-        ("--rdzv-id", rdzv.run_id),
-        ("--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items()) or None),
-        ("--node-rank", conf.node_rank if rdzv.backend == "static" and plan.settings.max_nodes > 1 else None),
-        ("--max-restarts", conf.max_restarts),
-        ("--monitor-interval", f"{conf.monitor_interval:g}"),
-        ("--start-method", conf.start_method),
-        ("--role", conf.role if conf.role != "default" else None),
-        ("--log-dir", job_log_dir(plan)),
-        ("--redirects", conf.redirects if str(conf.redirects) != "0" else None),
-        ("--tee", conf.tee if str(conf.tee) != "0" else None),
-        ("--local-ranks-filter", conf.local_ranks_filter or None),
-        ("--local-addr", conf.local_addr),
-        ("--logs-specs", conf.logs_specs),
-        ("--event-log-handler", conf.event_log_handler),
-        ("--log-line-prefix-template", _prefix_template_of(conf)),
-        ("--numa-binding", conf.numa_binding),
-        ("--shutdown-timeout", conf.shutdown_timeout),
-        ("--signals-to-handle", conf.signals_to_handle),
-        ("--virtual-local-rank", True if conf.virtual_local_rank else None),
-        ("--duplicate-stdout-filters", ",".join(conf.duplicate_stdout_filters or []) or None),
-        ("--duplicate-stderr-filters", ",".join(conf.duplicate_stderr_filters or []) or None),
-    ]
+    # each key's value in the line (None: left out), in the line's order; its flag is the key's
+    # own (config.py), the value the job's: its rendezvous, its log dir, ...
+    shown: Dict[str, Any] = {
+        "nnodes": conf.nnodes,
+        "nproc_per_node": conf.nproc_per_node,
+        "rdzv_backend": rdzv.backend,
+        "rdzv_endpoint": rdzv.endpoint,
+        "rdzv_id": rdzv.run_id,
+        "rdzv_conf": ",".join(f"{k}={v}" for k, v in rdzv_conf.items()) or None,
+        "node_rank": conf.node_rank if rdzv.backend == "static" and plan.settings.max_nodes > 1 else None,
+        "max_restarts": conf.max_restarts,
+        "monitor_interval": f"{conf.monitor_interval:g}",
+        "start_method": conf.start_method,
+        "role": conf.role if conf.role != "default" else None,
+        "log_dir": job_log_dir(plan),
+        "redirects": conf.redirects if str(conf.redirects) != "0" else None,
+        "tee": conf.tee if str(conf.tee) != "0" else None,
+        "local_ranks_filter": conf.local_ranks_filter or None,
+        "local_addr": conf.local_addr,
+        "logs_specs": conf.logs_specs,
+        "event_log_handler": conf.event_log_handler,
+        "log_line_prefix_template": _prefix_template_of(conf),
+        "numa_binding": conf.numa_binding,
+        "shutdown_timeout": conf.shutdown_timeout,
+        "signals_to_handle": conf.signals_to_handle,
+        "virtual_local_rank": True if conf.virtual_local_rank else None,
+        "duplicate_stdout_filters": ",".join(conf.duplicate_stdout_filters or []) or None,
+        "duplicate_stderr_filters": ",".join(conf.duplicate_stderr_filters or []) or None,
+    }
+    flags = [(TORCHRUN_FLAGS[key], value) for key, value in shown.items()]
     known = torchrun_options()
     command = ["torchrun"]
     missing = []

@@ -1,6 +1,7 @@
 """Resuming a sweep from its record: which jobs are done, which continue, which run.
 
-The record is the sweep dir's `sweep_summary.json` (`_launcher.report`) plus, for every completed
+The record is the sweep dir's journal, `sweep_journal.jsonl` (`_launcher.journal`; where an
+earlier version left only `sweep_summary.json`, that), plus, for every completed
 job, its pickled `JobReturn` in `<job dir>/.hydra/job_return.pkl` (beside Hydra's own
 account of the job). A pickle is code: it is loaded only when this user owns it and its
 dir and nobody else can write it (it is written 0600 whatever the umask); a group-writable
@@ -44,7 +45,9 @@ from omegaconf import DictConfig, OmegaConf
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.stop_files import RANKS_STARTED_FILE
+from ..config import described
 from .durable import replace_whole
+from .journal import JOURNAL_FILE, read_journal
 from .report import (
     COMPLETED,
     PREEMPTED,
@@ -62,40 +65,8 @@ log = logging.getLogger(__name__)
 RETURN_FILE = Path(".hydra") / "job_return.pkl"
 # jobs stopped before they ended: they continue in their job dir
 _CONTINUING = (PREEMPTED, STOPPED, RUNNING)
-# launcher keys that say how and where the sweep runs, not what a job computes
-_NOT_FINGERPRINTED = (
-    "resume",
-    "dry_run",
-    "requeue",
-    "stop_signal",
-    "stop_timeout",
-    "parallel_jobs",
-    "devices",
-    "preload",
-    "job_timeout",
-    "cluster",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "master_addr",
-    "master_port",
-    "local_addr",
-    "node_rank",
-    # what the console and the log files show, and how the ranks are started and stopped
-    "tee",
-    "redirects",
-    "local_ranks_filter",
-    "log_dir",
-    "logs_specs",
-    "log_line_prefix_template",
-    "event_log_handler",
-    "duplicate_stdout_filters",
-    "duplicate_stderr_filters",
-    "monitor_interval",
-    "shutdown_timeout",
-    "signals_to_handle",
-    "start_method",
-    "launch_prefix",
-)
+# launcher keys that say how and where the sweep runs or what it shows, not what a job computes
+_NOT_FINGERPRINTED = frozenset(key for key, computes in described("fingerprinted").items() if not computes)
 # what a fingerprint is made of, in its order: a record names the parts that changed
 _FINGERPRINT_PARTS = (
     "task code",
@@ -122,12 +93,18 @@ class Resumption:
 
 
 def read_record(sweep_dir: Path) -> Record:
-    """The sweep dir's record; empty when there is none, or (with one line) when it cannot
-    be read: then every job runs."""
-    path = sweep_dir / SUMMARY_FILE
+    """The sweep dir's record: its journal (`_launcher.journal`), or where it has none, the
+    `sweep_summary.json` an earlier version of the launcher left; empty when there is
+    neither, or (with one line) when it cannot be read: then every job runs."""
+    path = sweep_dir / JOURNAL_FILE
+    if not path.is_file():
+        path = sweep_dir / SUMMARY_FILE
     if not path.is_file():
         return Record()
     try:
+        if path.name == JOURNAL_FILE:
+            rows, interrupted = read_journal(path)
+            return Record({num: JobOutcome(**row) for num, row in rows.items()}, interrupted)
         data = strict_json(path.read_text())
         jobs = {int(row["num"]): JobOutcome(**row) for row in data["jobs"]}
         return Record(jobs, bool(data.get("interrupted", False)))
