@@ -263,8 +263,10 @@ class _Launch:
     def _composes_all_first(self) -> bool:
         """Whether what runs is decided over the whole sweep before any job runs: a record
         that may give jobs, or nodes that must agree on it."""
-        return self.sharing > 1 or (self.conf.resume is not False and bool(self.report.recorded.jobs)) or (
-            self.conf.resume is True
+        return (
+            self.sharing > 1
+            or (self.conf.resume is not False and bool(self.report.recorded.jobs))
+            or (self.conf.resume is True)
         )
 
     def _compose_all(self) -> List[JobPlan]:

@@ -21,6 +21,12 @@ from .._shared.plan import JobPlan, JobSettings
 from .preempt import StopNotice
 
 
+class SweepDetached(Exception):
+    """Raised by a runner whose jobs run on without the launcher (SLURM's `detach`): every
+    job is handed over and recorded; the message says how to come back. The sweeper gets
+    no results (none exist yet): the launcher ends, status 0."""
+
+
 class JobFeed(Protocol):
     """The jobs a runner runs, composed just in time: ask for the next one when it can start."""
 

@@ -99,6 +99,7 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
                 f"hydra.launcher.{key} is not a key of hydra/launcher=torchrun_slurm: SLURM places every job "
                 "(hydra.launcher.nodes sets its node count; its nodes meet on its first node)"
             )
+    raw.pop("detach", None)  # the sweep's, not a job's: `_submit.slurm_runner` reads it
     _refuse_unknown(raw)
     raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
     if options.nodes > 1:

@@ -19,14 +19,15 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .._job.failures import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
 from .._launcher.resume import PlannedResumption
-from .._launcher.runner import JobEvents, JobFeed
+from .._launcher.runner import JobEvents, JobFeed, SweepDetached
+from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
@@ -74,6 +75,10 @@ class SlurmRunner:
 
     def __init__(self, launcher: Any) -> None:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+        # submit every job, record it, end: the jobs run on without the launcher
+        self.detach = OmegaConf.select(launcher.config, "hydra.launcher.detach", default=False) is True
+        if self.detach:
+            _check_detachable(launcher.config)
         # each job's sbatch options, as its config said
         self.options: Dict[int, SlurmOptions] = {}
         self.cancelled = ""
@@ -99,7 +104,7 @@ class SlurmRunner:
     def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
         """Submit the jobs in chunks as they are composed (the first within moments, however
         many the sweep has), then wait for them all."""
-        sweep = _Sweep(slurm_dir(self.sweep_dir), events)
+        sweep = _Sweep(slurm_dir(self.sweep_dir), events, self.detach)
         with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
             try:
                 size = FIRST_CHUNK
@@ -109,6 +114,8 @@ class SlurmRunner:
                         break
                     sweep.submit(chunk, self.options, str(self.sweep_dir))
                     size = min(MAX_CHUNK, size * 2)
+                if self.detach:
+                    raise SweepDetached(sweep.detached_words(shown_path(str(self.sweep_dir))))
                 return sweep.wait()
             except SweepStopped:
                 self.cancelled = sweep.cancel()
@@ -119,6 +126,30 @@ class SlurmRunner:
 
 
 _UNKNOWN = object()
+
+
+def _asked(slurm: SlurmOptions) -> str:
+    """The sbatch options a job asked for, as `key=value` (what SLURM's refusal is about)."""
+    asked = [f"nodes={slurm.nodes}"]
+    asked += [key if value is None else f"{key}={value}" for key, value in slurm.directives]
+    return " ".join(asked)
+
+
+def _check_detachable(config: DictConfig) -> None:
+    """`detach` submits the whole sweep at once and returns nothing to the sweeper: only
+    Hydra's basic sweeper, launching every job in one batch, is content with that."""
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default=""))
+    if not sweeper.endswith("BasicSweeper"):
+        raise LauncherConfigError(
+            f"hydra.launcher.detach=true cannot serve the sweeper {sweeper or '(none)'}: it needs its jobs' "
+            "results before it launches more (an Optuna study does), and a detached sweep has none yet; "
+            "run it without detach (the launcher then waits on the login node), or use Hydra's basic sweeper"
+        )
+    if OmegaConf.select(config, "hydra.sweeper.max_batch_size", default=None) is not None:
+        raise LauncherConfigError(
+            "hydra.launcher.detach=true submits every job of the sweep at once: "
+            "unset hydra.sweeper.max_batch_size (its later batches would never be launched)"
+        )
 
 
 def _chunk(jobs: JobFeed, size: int) -> List[JobPlan]:
@@ -135,9 +166,13 @@ def _chunk(jobs: JobFeed, size: int) -> List[JobPlan]:
 class _Sweep:
     """The sweep's SLURM jobs: submitted, watched, collected, or cancelled."""
 
-    def __init__(self, directory: Path, events: JobEvents) -> None:
+    def __init__(self, directory: Path, events: JobEvents, detach: bool = False) -> None:
         self.directory = directory
         self.events = events
+        self.detach = detach
+        # jobs taken back from an earlier command, and those of them it submitted detached
+        self.taken_back: Set[int] = set()
+        self.detached: Set[int] = set()
         # the jobs of this launch, by number
         self.plans: Dict[int, JobPlan] = {}
         # job number -> SLURM id (`<array>_<number>`) of the jobs not collected yet
@@ -203,6 +238,9 @@ class _Sweep:
                     fresh.append(plan)
                     continue
                 self.slurm_ids[plan.idx] = known["slurm_id"]
+                self.taken_back.add(plan.idx)
+                if known.get("detached"):
+                    self.detached.add(plan.idx)
                 self.events.started(plan, f" : SLURM job {known['slurm_id']}, submitted before")
                 continue
             if known:
@@ -231,14 +269,18 @@ class _Sweep:
             try:
                 array_id = commands.sbatch(script)
             except (SlurmCommandError, OSError) as e:
+                asked = _asked(slurm)  # SLURM's words do not say which value it refused
                 for plan in group:
                     self.events.started(plan, None)
-                    self._end(plan.idx, _failure(f"sbatch refused the job: {e}"))
+                    self._end(plan.idx, _failure(f"sbatch refused job #{plan.idx} ({asked}): {e}"))
                 continue
             for plan in group:
                 slurm_id = f"{array_id}_{plan.idx}"
                 self.slurm_ids[plan.idx] = slurm_id
                 self.submitted[str(plan.idx)] = {"slurm_id": slurm_id, "fingerprint": plan.fingerprint}
+                if self.detach:  # never cancelled by a later command's Ctrl-C
+                    self.submitted[str(plan.idx)]["detached"] = True
+                    self.detached.add(plan.idx)
                 # until SLURM starts it, its time counts from here
                 self.events.started(plan, f" : SLURM job {slurm_id}")
             write_submitted(self.directory, self.submitted)
@@ -455,15 +497,50 @@ class _Sweep:
     # -- cancel ---------------------------------------------------------------------------
 
     def cancel(self) -> str:
-        """scancel every job of the sweep still in flight; what to say of it."""
-        ids = sorted(self.slurm_ids.values())
+        """scancel every job of the sweep still in flight but those submitted detached (they
+        run on: this command only waited for them); what to say of it."""
+        detached = sorted(self.slurm_ids[idx] for idx in self.detached if idx in self.slurm_ids)
+        ids = sorted(slurm_id for idx, slurm_id in self.slurm_ids.items() if idx not in self.detached)
+        on = ""
+        if detached:
+            directory = shown_path(str(self.directory.parent))
+            on = (
+                f"; SLURM job(s) {', '.join(detached)}, submitted detached, run on "
+                f"(torchrun-sweep cancel {directory} cancels them)"
+            )
+            for idx in [idx for idx in self.slurm_ids if idx in self.detached]:
+                self.slurm_ids.pop(idx)  # left out of the record's ending: still running
         if not ids:
-            return "no SLURM job (none was in flight)"
+            return f"no SLURM job (none of this command's was in flight){on}"
         said = commands.scancel(ids)
         for idx, slurm_id in list(self.slurm_ids.items()):
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
             self._end(idx, _failure(message), stopped=True)
-        return f"SLURM job(s) {', '.join(ids)}{_said(said)}"
+        return f"SLURM job(s) {', '.join(ids)}{_said(said)}{on}"
+
+    def detached_words(self, sweep_dir: str) -> str:
+        """What a detached submission says: what runs on, where to look, how to come back."""
+        fresh = sorted(set(self.slurm_ids) - self.taken_back)
+        before = sorted(set(self.slurm_ids) & self.taken_back)
+        arrays = sorted({self.slurm_ids[idx].split("_")[0] for idx in self.slurm_ids})
+        if fresh:
+            what = f"Detached: {len(fresh)} job(s) submitted to SLURM (job array(s) {', '.join(arrays)})"
+            if before:
+                what += f", {len(before)} submitted before"
+        elif before:
+            what = (
+                f"Detached: all {len(before)} job(s) of this sweep were submitted before and run on "
+                f"(job array(s) {', '.join(arrays)}): nothing submitted"
+            )
+        else:
+            what = "Detached: no job of this sweep is in flight"
+        return (
+            f"{what}; they run on without this command.\n"
+            f"\tWhere the sweep stands: torchrun-sweep status {sweep_dir}\n"
+            "\tIts results, when they are in: the same command without hydra.launcher.detach=true "
+            "(it waits for the jobs and submits none twice)\n"
+            f"\tTo cancel them: torchrun-sweep cancel {sweep_dir}"
+        )
 
 
 def _said(said: Optional[str]) -> str:

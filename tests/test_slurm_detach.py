@@ -1,0 +1,159 @@
+"""`hydra.launcher.detach=true` on a real SLURM cluster: submit, end, come back.
+
+A user submits a sweep from a login node and logs out; the jobs run on. Later the same
+command without `detach` waits for them and hands Hydra every job's result, submitting
+nothing twice; a Ctrl-C there stops the waiting only. Read as a user reads it: the
+console, the sweep's files, `squeue`.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import kill_tree
+from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
+from tests.test_slurm_submit import (
+    QUEUE_EMPTIES_S,
+    SWEEP_TIMEOUT_S,
+    _queue,
+    _start,
+    _summary,
+    _sweep,
+    _wait_for,
+    app_dir,  # noqa: F401  (the fixture)
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    skip_or_fail(unavailable())
+    with SlurmCluster(tmp_path_factory.mktemp("cluster"), nodes=2) as running:
+        yield running
+
+
+def _submitted_ids(directory: Path) -> "dict[str, str]":
+    submitted = json.loads((directory / "sweep" / ".slurm" / "submitted.json").read_text())
+    return {num: job["slurm_id"] for num, job in submitted.items()}
+
+
+def test_a_detached_sweep_runs_on_and_the_same_command_comes_back_for_its_results(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    sweep = ("steps=20", "step_s=0.25", "x=1,2")
+    started = time.monotonic()
+    result = _sweep(cluster, app_dir, "hydra.launcher.detach=true", *sweep)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    # it ends at once, the jobs still running or queued: it did not wait for their 5 s of steps
+    assert time.monotonic() - started < SWEEP_TIMEOUT_S
+    assert "Detached: 2 job(s) submitted to SLURM" in output, output
+    assert "torchrun-sweep status sweep" in output and "torchrun-sweep cancel sweep" in output, output
+    assert "without hydra.launcher.detach=true" in output, output
+    ids = _submitted_ids(app_dir)
+    assert sorted(ids) == ["0", "1"], ids
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["RUNNING", "RUNNING"], jobs
+
+    # detach again while they run: nothing submitted twice
+    again = _sweep(cluster, app_dir, "hydra.launcher.detach=true", *sweep)
+    said = again.stdout + again.stderr
+    assert again.returncode == 0, said
+    assert "Submitting" not in said and "submitted before" in said, said
+    assert _submitted_ids(app_dir) == ids
+
+    # come back: the same command waits and returns every job's result, submitting nothing
+    back = _sweep(cluster, app_dir, *sweep)
+    said = back.stdout + back.stderr
+    assert back.returncode == 0, said
+    assert "Submitting" not in said, said
+    for n, slurm_id in ids.items():
+        assert (
+            f"#{n} : steps=20 step_s=0.25 x={int(n) + 1} : SLURM job {slurm_id}, submitted before" in said
+        ), said
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED", "COMPLETED"], jobs
+    assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
+    assert "2 jobs: 2 completed" in said, said
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+
+def test_ctrl_c_while_coming_back_leaves_detached_jobs_running(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    sweep = ("steps=200", "step_s=0.25", "x=1")
+    result = _sweep(cluster, app_dir, "hydra.launcher.detach=true", *sweep)
+    assert result.returncode == 0, result.stdout + result.stderr
+    slurm_id = _submitted_ids(app_dir)["0"]
+    waiting = _start(cluster, app_dir, *sweep)
+    try:
+        _wait_for(
+            lambda: slurm_id in " ".join(_queue(cluster)) and _summary(app_dir)[0]["status"] == "RUNNING",
+            "the job in the queue",
+        )
+        # the come-back command has taken the job back once its line says so
+        lines = []
+        assert waiting.stdout is not None
+        while True:
+            line = waiting.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if "submitted before" in line:
+                break
+        waiting.send_signal(signal.SIGINT)
+        rest, _ = waiting.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(waiting)
+    output = "".join(lines) + rest
+    assert waiting.returncode == 128 + signal.SIGINT, output
+    assert f"SLURM job(s) {slurm_id}, submitted detached, run on" in output, output
+    assert "torchrun-sweep cancel sweep" in output, output
+    assert "Traceback" not in output, output
+    # still there, not cancelled
+    assert any(line.startswith(slurm_id) and "CANCELLED" not in line for line in _queue(cluster)), _queue(
+        cluster
+    )
+    cancelled = cluster.run(["scancel", slurm_id])
+    assert cancelled.returncode == 0, cancelled.stderr
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+
+def test_detach_refuses_a_sweeper_that_needs_results_between_batches(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "--multirun",
+            "hydra/launcher=torchrun_slurm",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_jobs=2",
+            "hydra.sweep.dir=sweep",
+            "hydra.launcher.detach=true",
+            "x=range(1,5)",
+        ],
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "hydra.launcher.detach=true cannot serve the sweeper" in output, output
+    assert "Optuna" in output or "optuna" in output, output
+    assert "Traceback" not in output, output
+    assert not (app_dir / "sweep" / ".slurm").exists()
+    assert not _queue(cluster)
