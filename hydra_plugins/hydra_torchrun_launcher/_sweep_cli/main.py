@@ -1,0 +1,257 @@
+"""`torchrun-sweep`: where a sweep stands, and cancelling its SLURM jobs, from any shell.
+
+    torchrun-sweep status DIR [--json]   where the sweep in DIR stands
+    torchrun-sweep cancel DIR            scancel its SLURM jobs still queued or running
+
+DIR is a sweep dir (`hydra.sweep.dir`) of `hydra/launcher=torchrun` or `torchrun_slurm`,
+running, detached or ended. `status` reads the sweep's record and, for SLURM jobs in flight,
+asks `squeue` once; `cancel` asks `squeue` once and `scancel`s once. Neither imports torch.
+
+Exit status: 0; 1 when SLURM refused to cancel (or `cancel` was asked of a local sweep); 2
+when DIR holds no record of a sweep (one line naming the file looked for) or the command
+line is wrong.
+
+`status --json` prints one JSON object (its shape is kept; keys may be added):
+
+    {"sweep_dir": absolute path, "runner": "local" | "slurm",
+     "stage": "running" | "detached" | "unfinished" | "ended",
+     "launcher": "pid N on HOST since T" while a launcher runs the sweep, else null,
+     "counts": {state: number of jobs}, "varying": [keys of the overrides that vary],
+     "squeue_error": null, or why SLURM's states are unknown,
+     "jobs": [{"num", "state", "recorded", "slurm_id", "nodes", "elapsed_s", "overrides",
+               "return_value", "error", "note", "job_dir"}]}
+
+`state` is where the job stands now: the record's status (COMPLETED, FAILED, PREEMPTED,
+STOPPED, RUNNING, NOT_STARTED), SLURM's state of a job in flight (PENDING, RUNNING, ...),
+ENDED (its nodes wrote its result, not in the record yet), UNFINISHED (RUNNING in the record,
+but no launcher runs it any more), GONE (SLURM no longer shows it and it left no result) or
+SUBMITTED (squeue could not say); `recorded` is the record's status.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .._launcher.report import COMPLETED, job_numbers
+from .._shared.errors import LauncherConfigError
+from .._shared.paths import shown_path
+from .._submit import commands
+from .._submit.commands import SlurmCommandError
+from .._submit.files import SLURM_DIR
+from .state import (
+    DETACHED,
+    ENDED_STAGE,
+    RUNNING_STAGE,
+    UNFINISHED_STAGE,
+    NoRecord,
+    SweepView,
+    read_sweep,
+    shown_overrides,
+)
+
+PROG = "torchrun-sweep"
+_CELL_WIDTH = 60
+# the failure's first line as the launcher's table shows it: without the pid and local rank
+_RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Where a hydra-torchrun-launcher sweep stands; cancel its SLURM jobs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{status,cancel}")
+    status = sub.add_parser("status", help="where the sweep in DIR stands, a line per job")
+    status.add_argument("sweep_dir", metavar="DIR", help="the sweep dir (hydra.sweep.dir)")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    cancel = sub.add_parser("cancel", help="cancel the sweep's SLURM jobs still queued or running")
+    cancel.add_argument("sweep_dir", metavar="DIR", help="the sweep dir (hydra.sweep.dir)")
+    args = parser.parse_args(argv)
+    sweep_dir = Path(args.sweep_dir)
+    try:
+        if args.command == "status":
+            view = read_sweep(sweep_dir)
+            print(json.dumps(as_json(view), indent=1, default=repr) if args.json else as_text(view))
+            return 0
+        line, code = cancel_jobs(sweep_dir)
+    except NoRecord as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `torchrun-sweep status DIR | head`: the reader had enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    print(line if code == 0 else f"{PROG}: {line}", file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+def as_json(view: SweepView) -> Dict[str, Any]:
+    return {
+        "sweep_dir": str(view.sweep_dir.resolve()),
+        "runner": view.runner,
+        "stage": view.stage,
+        "launcher": view.launcher,
+        "counts": view.counts,
+        "varying": view.varying,
+        "squeue_error": view.squeue_error,
+        "jobs": [
+            {
+                "num": job.num,
+                "state": job.state,
+                "recorded": job.recorded,
+                "slurm_id": job.slurm_id,
+                "nodes": job.nodes,
+                "elapsed_s": job.elapsed_s,
+                "overrides": job.overrides,
+                "return_value": job.return_value,
+                "error": job.error,
+                "note": job.note,
+                "job_dir": job.job_dir,
+            }
+            for job in view.jobs
+        ],
+    }
+
+
+def as_text(view: SweepView) -> str:
+    """The sweep's line, its counts, then a row per job."""
+    kind = "SLURM" if view.runner == "slurm" else "local"
+    lines = [f"{shown_path(str(view.sweep_dir))}: a {kind} sweep, {_stage(view)}"]
+    tally = ", ".join(f"{count} {_word(state)}" for state, count in view.counts.items())
+    lines.append(f"{len(view.jobs)} jobs: {tally}")
+    if view.squeue_error:
+        lines.append(f"{view.squeue_error}: where its SLURM jobs stand is not known")
+    slurm = any(job.slurm_id for job in view.jobs)
+    rows = [["#", "state", *(["SLURM id"] if slurm else []), "elapsed", "overrides", "result"]]
+    for job in view.jobs:
+        if job.state == COMPLETED:
+            result = _short(job.return_value)
+        elif job.error:
+            result = _cut(_RANK_DETAIL.sub("", job.error.split("\n", 1)[0]))
+        else:
+            result = _cut(job.note or "")
+        rows.append(
+            [
+                str(job.num),
+                job.state,
+                *([job.slurm_id or ""] if slurm else []),
+                _elapsed(job.elapsed_s),
+                _cut(" ".join(shown_overrides(job.overrides, view.varying))),
+                result,
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _stage(view: SweepView) -> str:
+    if view.stage == RUNNING_STAGE:
+        return f"running (its launcher: {view.launcher})"
+    if view.launcher_unknown:
+        return f"{view.stage} unless its launcher ({view.launcher_unknown}) still runs: this host cannot tell"
+    if view.stage == DETACHED:
+        return (
+            "detached: no launcher waits for its SLURM jobs (the sweep's command, run again, collects them)"
+        )
+    if view.stage == UNFINISHED_STAGE:
+        return "unfinished: no launcher runs it (the sweep's command, run again, resumes it)"
+    assert view.stage == ENDED_STAGE
+    return "ended"
+
+
+def _word(state: str) -> str:
+    """NOT_STARTED -> "not started", as the launcher's lines say it."""
+    return state.lower().replace("_", " ")
+
+
+def _elapsed(seconds: Optional[float]) -> str:
+    """0.95s, 42s, 3m04s, 2h05m, 1d02h."""
+    if seconds is None:
+        return ""
+    if seconds < 60:
+        return f"{seconds:.0f}s" if float(seconds).is_integer() else f"{seconds:.2f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _short(value: Any) -> str:
+    return _cut(value if isinstance(value, str) else json.dumps(value, default=repr))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
+
+
+# -- cancel --------------------------------------------------------------------------------
+
+
+def cancel_jobs(sweep_dir: Path) -> "tuple[str, int]":
+    """scancel the sweep's SLURM jobs still queued or running (one squeue call says which, one
+    scancel call cancels them); the line to say and the exit status."""
+    view = read_sweep(sweep_dir)  # NoRecord without a record; asks squeue once for the jobs in flight
+    shown = shown_path(str(sweep_dir))
+    if view.runner != "slurm":
+        how = f"; its launcher is {view.launcher}" if view.launcher else ""
+        return (
+            f"{shown} is a local sweep (no {SLURM_DIR}/ in it): it has no SLURM job to cancel{how}",
+            1,
+        )
+    in_flight = {job.num: str(job.slurm_id) for job in view.jobs if job.queued_or_running()}
+    if not in_flight:
+        return f"nothing to cancel: no SLURM job of {shown} is queued or running", 0
+    ids = sorted(in_flight.values(), key=_id_order)
+    try:
+        said = commands.scancel(ids)
+    except (LauncherConfigError, SlurmCommandError) as e:
+        return str(e), 1
+    what = f"{job_numbers(in_flight)} of {shown} (SLURM {_plural(len(ids))} {slurm_ids(ids)})"
+    if said is not None:
+        return f"scancel could not cancel {what}: {said}", 1
+    return f"cancelled {what}", 0
+
+
+def _plural(count: int) -> str:
+    return "job" if count == 1 else "jobs"
+
+
+def _id_order(slurm_id: str) -> "tuple[int, int]":
+    array, _, task = slurm_id.partition("_")
+    return (int(array), int(task)) if array.isdigit() and task.isdigit() else (0, 0)
+
+
+def slurm_ids(ids: List[str]) -> str:
+    """SLURM ids as SLURM writes an array's tasks: `12_[0-2,5]`, `12_3`, one array after another."""
+    tasks: Dict[str, List[int]] = {}
+    others = []
+    for slurm_id in ids:
+        array, _, task = slurm_id.partition("_")
+        if task.isdigit():
+            tasks.setdefault(array, []).append(int(task))
+        else:
+            others.append(slurm_id)
+    shown = []
+    for array, numbers in tasks.items():
+        runs: List[List[int]] = []
+        for n in sorted(numbers):
+            if runs and n == runs[-1][1] + 1:
+                runs[-1][1] = n
+            else:
+                runs.append([n, n])
+        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        shown.append(f"{array}_{parts}" if len(numbers) == 1 else f"{array}_[{parts}]")
+    return ", ".join(shown + others)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
