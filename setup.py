@@ -20,7 +20,12 @@ setup(
         "hydra.plugins": [
             "torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher",
             "torchrun_slurm = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunSlurmLauncher",
-        ]
+            "torchrun_ssh = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunSshLauncher",
+        ],
+        # where a sweep stands, and cancelling its SLURM jobs (README: "torchrun-sweep")
+        "console_scripts": [
+            "torchrun-sweep = hydra_plugins.hydra_torchrun_launcher._sweep_cli.main:main",
+        ],
     },
     install_requires=[
         "hydra-core>=1.3.2,<1.5",
