@@ -8,7 +8,10 @@ one directory (config, state, spool, logs, munge key and socket); `stop()` ends 
 daemon by PID and removes the namespaces and the bridge.
 
     with SlurmCluster(tmp_path) as cluster:
-        cluster.run(["sbatch", "--wait", ...])
+        cluster.run(["sbatch", "--wait", f"--output={tmp_path}/slurm-%j.out", ...], cwd=tmp_path)
+
+(without `--output`, sbatch writes `slurm-<job id>.out` where it is called from: under pytest,
+the checkout's root.)
 
 `unavailable()` says why a cluster cannot start here (not root, no SLURM, no namespaces);
 `skip_or_fail()` turns that into a skip, or a failure where `REQUIRE_SLURM=1` (CI).

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -21,6 +22,8 @@ import psutil
 import pytest
 from omegaconf import OmegaConf
 
+from hydra_plugins.hydra_torchrun_launcher._launcher.journal import JOURNAL_FILE, read_journal
+from hydra_plugins.hydra_torchrun_launcher._launcher.report import SUMMARY_INTERVAL_S
 from hydra_plugins.hydra_torchrun_launcher._shared.torchrun_cli import torchrun_options
 from tests.conftest import assert_gone, wait_for
 
@@ -291,7 +294,12 @@ def test_one_launcher_per_sweep_dir_and_a_killed_ones_sweep_resumes_under_umask_
 
     # the first one is killed hard (an OOM killer, a node lost) while job 1 runs, after a checkpoint
     first.wait_for_text("[default0]:rank 0: step 3", after="\t#1 : lr=0.2")
-    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "RUNNING"]
+    # the journal has it at once; the summary within its few seconds
+    wait_for(
+        lambda: [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "RUNNING"],
+        2 * SUMMARY_INTERVAL_S,
+        "the summary to say that job 1 runs",
+    )
     children = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)]
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait(timeout=60)
@@ -435,7 +443,9 @@ def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
     ), result.stdout
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1"], result.stdout
 
-    # a summary cut short (a full disk): nothing is resumed from it, every job runs
+    # the summary an earlier version of the launcher left (no journal), cut short (a full
+    # disk): nothing is resumed from it, every job runs
+    (app_dir / "sweep" / JOURNAL_FILE).unlink()
     summary = app_dir / "sweep" / "sweep_summary.json"
     summary.write_text(summary.read_text()[:40])
     result = _run(app_dir, *sweep)
@@ -445,6 +455,40 @@ def test_a_truncated_job_return_runs_the_job_again(tmp_path: Path) -> None:
         result.stdout,
     ), result.stdout
     assert _ranks_ran(result.stdout) == ["train_a lr=0.1", "train_a lr=0.2"], result.stdout
+
+
+def test_a_failed_job_runs_again_though_its_job_dir_holds_an_earlier_runs_return(tmp_path: Path) -> None:
+    """A job that completed, then failed when the sweep ran again in the same sweep dir (the
+    code had changed), still has the first run's `.hydra/job_return.pkl` in its job dir. The
+    record says FAILED: resuming runs it again, and its value is this run's, not the stale one."""
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2"]
+    first = _run(app_dir, *sweep)
+    assert first.returncode == 0, first.stdout
+    assert [j["return_value"] for j in _summary(app_dir / "sweep")] == [1.0, 2.0], first.stdout
+
+    # the code changes (another sweep: every job runs) and job 1 fails for an outside cause
+    helper = app_dir / "helper.py"
+    helper.write_text(helper.read_text().replace("lr * 10", "lr * 100"))
+    failed = _run(app_dir, *sweep, FAIL_AT="0.2")
+    assert failed.returncode == 1, failed.stdout
+    assert "records another sweep (job #0's task code changed)" in failed.stdout, failed.stdout
+    assert [j["status"] for j in _summary(app_dir / "sweep")] == ["COMPLETED", "FAILED"], failed.stdout
+    # the case this test is about: job 1's dir still holds the first run's return (2.0)
+    assert (app_dir / "sweep" / "1" / ".hydra" / "job_return.pkl").is_file()
+
+    resumed = _run(app_dir, *sweep, "hydra.launcher.resume=true")
+    assert resumed.returncode == 0, resumed.stdout
+    assert (
+        "1 completed job(s) come from its record (#0), 0 unfinished job(s) continue, "
+        "1 failed or not started run again (#1)"
+    ) in resumed.stdout, resumed.stdout
+    assert "#0 : lr=0.1 : COMPLETED in an earlier run, returned 10.0" in resumed.stdout, resumed.stdout
+    assert "#1 : lr=0.2 : COMPLETED in an earlier run" not in resumed.stdout, resumed.stdout
+    assert _ranks_ran(resumed.stdout) == ["train_a lr=0.2"], resumed.stdout
+    jobs = _summary(app_dir / "sweep")
+    assert [j["status"] for j in jobs] == ["COMPLETED", "COMPLETED"], resumed.stdout
+    assert [j["return_value"] for j in jobs] == [10.0, 20.0], resumed.stdout
 
 
 @pytest.mark.parametrize(
@@ -656,3 +700,82 @@ def test_a_pet_variable_torch_itself_cannot_parse_is_refused_in_one_line_naming_
         assert _error(result.stdout) == (
             "job #0 (world=1): PET_STANDALONE='true' is not 0 or 1 (torchrun reads it as --standalone)"
         ), result.stdout
+
+
+def test_a_reader_of_the_summary_always_parses_it_while_200_jobs_run(tmp_path: Path) -> None:
+    """The summary is replaced whole (a reader polling it never sees half of it), a few
+    times a minute rather than twice a job; the journal has every event; the console ends
+    with the tally, where the full table is, and no row of the 200 completed jobs."""
+    app_dir = _install(tmp_path, RECORD_APP)
+    summary = app_dir / "sweep" / "sweep_summary.json"
+    sweep = _Launcher(
+        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=range(200)", "hydra.launcher.parallel_jobs=2"
+    )
+    texts = set()
+    seen_completed = set()
+    first_seen = None
+    launcher = psutil.Process(sweep.proc.pid)
+    while "200 jobs: " not in sweep.text() and launcher.status() != psutil.STATUS_ZOMBIE:
+        try:
+            text = summary.read_text()
+        except FileNotFoundError:  # not written yet
+            time.sleep(0.01)
+            continue
+        first_seen = first_seen or time.monotonic()
+        jobs = json.loads(text)["jobs"]  # whole, whenever it is read
+        assert len(jobs) == 200, text
+        texts.add(text)
+        seen_completed.add(sum(job["status"] == "COMPLETED" for job in jobs))
+        time.sleep(0.01)
+    running_s = time.monotonic() - (first_seen or time.monotonic())
+    code, out = sweep.end()
+    assert code == 0, out[-5000:]
+    # read as the sweep went on (0 completed, some, ...), rewritten every few seconds at most
+    assert len([n for n in seen_completed if 0 < n < 200]) >= 2, (seen_completed, out[-5000:])
+    assert len(texts) <= running_s / SUMMARY_INTERVAL_S + 3, (len(texts), running_s)
+
+    jobs = _summary(app_dir / "sweep")
+    assert [(j["num"], j["status"], j["return_value"]) for j in jobs] == [
+        (num, "COMPLETED", num * 10) for num in range(200)
+    ]
+    # a line per event: the launch of each job, its start, its end
+    assert len((app_dir / "sweep" / JOURNAL_FILE).read_text().splitlines()) == 1 + 3 * 200
+    lines = out.splitlines()
+    tally = next(i for i, line in enumerate(lines) if "200 jobs: 200 completed" in line)
+    assert lines[tally].endswith("(summary: sweep/sweep_summary.json)"), out[-5000:]
+    assert lines[tally + 1] == "every job's row is in sweep/sweep_table.txt", out[-5000:]
+    assert tally + 2 == len(lines) or not re.match(r"\d+\s+COMPLETED", lines[tally + 2]), out[-5000:]
+    table = (app_dir / "sweep" / "sweep_table.txt").read_text().splitlines()
+    assert len(table) == 201 and re.match(
+        r"199\s+COMPLETED\s+[\d.]+s\s+lr=199\s+1990\s+sweep/199$", table[-1]
+    )
+
+
+def test_a_sweep_killed_with_kill_9_resumes_from_its_journal_with_nothing_lost(tmp_path: Path) -> None:
+    """The launcher killed hard mid-sweep (an OOM killer): every job it had said completed
+    is in the journal (the summary may lag it by a few seconds); the same command runs the
+    rest, and none of those again."""
+    app_dir = _install(tmp_path, RECORD_APP)
+    sweep = ["-m", "hydra.sweep.dir=sweep", "lr=range(40)"]
+    first = _Launcher(app_dir, *sweep)
+    first.wait_for_text("job 12 of 40 ended")
+    children = [p.pid for p in psutil.Process(first.proc.pid).children(recursive=True)]
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=60)
+    assert_gone(children)
+    told = {int(n) for n in re.findall(r"job \d+ of 40 ended: #(\d+) : lr=\d+ : COMPLETED", first.text())}
+    assert len(told) >= 12, first.text()
+    rows, _ = read_journal(app_dir / "sweep" / JOURNAL_FILE)
+    completed = {num for num, row in rows.items() if row["status"] == "COMPLETED"}
+    assert told <= completed and sorted(rows) == list(range(40)), (told, completed)
+    summarized = {job["num"] for job in _summary(app_dir / "sweep") if job["status"] == "COMPLETED"}
+    assert summarized <= completed
+
+    code, out = _Launcher(app_dir, *sweep).end()
+    assert code == 0, out
+    assert f"{len(completed)} completed job(s) come from its record" in out, out
+    assert sorted(_ranks_ran(out)) == sorted(f"train_a lr={n}" for n in range(40) if n not in completed), out
+    jobs = _summary(app_dir / "sweep")
+    assert [(j["num"], j["status"], j["return_value"]) for j in jobs] == [
+        (num, "COMPLETED", num * 10) for num in range(40)
+    ]

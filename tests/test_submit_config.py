@@ -89,6 +89,28 @@ def test_the_dry_run_shows_submitits_keys_as_sbatch_directives(app: Path) -> Non
     assert not (app.parent / "sweep" / ".slurm").exists()  # nothing written, nothing submitted
 
 
+def test_each_job_of_a_sweep_is_submitted_with_its_own_sbatch_options(app: Path) -> None:
+    # per-job nodes, partition and memory: one array per set of options, each job in its own
+    result = _sweep(
+        app,
+        "hydra.launcher.dry_run=true",
+        "hydra.launcher.nodes=${x}",
+        "hydra.launcher.partition=part${x}",
+        "hydra.launcher.mem_gb=${x}",
+    )
+    output = result.stdout + result.stderr
+    scripts = _scripts(output)
+    assert len(scripts) == 2, output
+    assert "\tsbatch script of #0:" in output and "\tsbatch script of #1:" in output, output
+    for x, script in zip((1, 2), scripts):
+        lines = script.splitlines()
+        for directive in (f"--nodes={x}", f"--partition=part{x}", f"--mem={x}G", f"--array={x - 1}"):
+            assert f"#SBATCH {directive}" in lines, script
+        assert lines[-1].startswith(f"exec srun --ntasks-per-node=1 --nodes={x} "), script
+    job_0, job_1 = output.split("\t#1 : x=2")
+    assert "ranks:   1 per node x 1 node(s)" in job_0 and "ranks:   1 per node x 2 node(s)" in job_1, output
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
