@@ -2,7 +2,8 @@
 
     launcher process (_launcher; _submit)  ->  warm server (_server)  ->  job process (_job)  ->  rank (_rank)
 
-plus `_shared`, below them all. A module imports from its own folder or from a process
+plus `_shared`, below them all, and `torchrun-sweep` (_sweep_cli), a process of its own above
+the launcher that reads its record. A module imports from its own folder or from a process
 below its own, never from one above: what two processes both need belongs lower down. Read
 from the code's own imports (those inside functions too), not from a list kept by hand.
 """
@@ -22,12 +23,19 @@ ROOT = Path(hydra_torchrun_launcher.__file__).parent
 PUBLIC = {"__init__", "config", "torchrun_launcher", "preemption"}
 # how high each part stands in the process tree: a module imports only from its height or below
 HEIGHT = {
+    # `torchrun-sweep`, a console script: a process of its own, above every launcher, that
+    # reads a sweep's record (`_launcher`) and asks SLURM about its jobs (`_submit`)
+    "_sweep_cli": 6,
     "torchrun_launcher": 5,  # Hydra's Launcher: starts the launcher process's work
     "_launcher": 4,
     # the launcher process when it submits each job to SLURM (beside `_launcher`, whose
     # composing, checking and record it reuses), and the task each SLURM node runs, which
     # hands over to the job process
     "_submit": 4,
+    # the launcher process when it runs each job on hosts over ssh (beside `_launcher`, whose
+    # composing, checking and record it reuses), and the agent each host runs for the sweep,
+    # which starts that host's warm server
+    "_ssh": 4,
     "_server": 3,
     "_job": 2,
     "_rank": 1,
@@ -37,6 +45,15 @@ HEIGHT = {
     "__init__": 0,
 }
 FOLDERS = {name for name in HEIGHT if name.startswith("_") and name != "__init__"}
+# what `torchrun-sweep` reads of the launcher: the sweep's record and lock, SLURM's commands and
+# the sweep's `.slurm/` files; nothing that composes or runs jobs (it imports no torch)
+SWEEP_CLI_READS = {
+    "_launcher.report",
+    "_launcher.resume",
+    "_launcher.lock",
+    "_submit.commands",
+    "_submit.files",
+}
 
 
 def _modules() -> Dict[str, Path]:
@@ -105,6 +122,47 @@ def test_no_module_imports_from_a_process_above_its_own() -> None:
     assert not upward, "\n".join(upward)
 
 
+def test_torchrun_sweep_reads_only_the_record_and_slurms_commands() -> None:
+    read = {
+        target
+        for module, targets in _graph().items()
+        if _part(module) == "_sweep_cli"
+        for target in targets
+        if _part(target) in ("_launcher", "_submit")
+    }
+    assert read and read <= SWEEP_CLI_READS, sorted(read - SWEEP_CLI_READS)
+
+
+# the sweep driver's internals: how it composes, holds the sweep dir, resumes and runs jobs
+# locally. A runner (SLURM's, ssh's) takes the driver's interface (`_launcher.runner`,
+# `_launcher.preempt`'s SweepStopped, the record's types), never these; the public
+# Launcher classes alone hand their launch to the driver.
+DRIVER_INTERNALS = {
+    "_launcher.driver",
+    "_launcher.local_runner",
+    "_launcher.pool",
+    "_launcher.lock",
+    "_launcher.shared_dir",
+    "_launcher.node_agreement",
+}
+
+
+# the runners beside the local one, each a folder of its own
+RUNNER_FOLDERS = {"_submit", "_ssh"}
+
+
+def test_a_runner_uses_the_drivers_interface_not_its_internals() -> None:
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if _part(module) in RUNNER_FOLDERS
+        for target in targets & DRIVER_INTERNALS
+    )
+    assert not wrong, wrong
+    # the check sees what it looks for: the launcher's classes do hand over to the driver
+    assert "_launcher.driver" in _graph()["torchrun_launcher"]
+
+
 def _cycles(graph: Dict[str, Set[str]]) -> Iterator[List[str]]:
     """Each import cycle once, found by depth-first search."""
     done: Set[str] = set()
@@ -133,7 +191,7 @@ def test_the_cycle_check_sees_a_cycle() -> None:
     assert list(_cycles({"a": {"b"}, "b": {"a"}})) == [["a", "b", "a"]]
     graph = _graph()
     assert "_shared.plan" in graph["_job.agent"] and "_rank.worker" in graph["_job.agent"]
-    assert "_launcher.core" in graph["torchrun_launcher"]  # an import inside a function counts
+    assert "_launcher.driver" in graph["torchrun_launcher"]  # an import inside a function counts
 
 
 def test_hydras_discovery_walks_only_the_public_modules() -> None:
