@@ -149,3 +149,17 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(0.05)
+
+
+# the files whose tests start real daemons (SLURM, sshd) or network namespaces: root and minutes
+# each; `python -m pytest -m "not cluster"` is the contributors' fast tier (docs/contributing.md)
+_CLUSTER_FILES = frozenset(
+    {"test_slurm.py", "test_slurm_submit.py", "test_slurm_detach.py", "test_ssh.py", "test_pods.py"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    for item in items:
+        uses_a_cluster = "cluster" in getattr(item, "fixturenames", ())
+        if item.path.name in _CLUSTER_FILES or uses_a_cluster:
+            item.add_marker(pytest.mark.cluster)
