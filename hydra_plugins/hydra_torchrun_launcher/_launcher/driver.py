@@ -24,6 +24,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
 from .._job.launch_config import local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
@@ -152,9 +153,11 @@ class Composer:
             try:
                 settings, note = self.settings_of(config)
                 plan = _plan(config, settings, self.pickled_task, self.script, self.sweep_key)
-            except LauncherConfigError as e:
+            except (LauncherConfigError, OmegaConfBaseException) as e:
+                # a value that does not resolve for this job (`${oc.env:...}` of a swept name) is
+                # refused as a bad one is: one line naming the key, not a traceback
                 shown = " ".join(filter_overrides(config.hydra.overrides.task)) or "no overrides"
-                raise LauncherConfigError(f"job #{job.idx} ({shown}): {e}") from e
+                raise LauncherConfigError(f"job #{job.idx} ({shown}): {_one_line(e)}") from e
         # with the project's modules that the job's `_target_`s name (instantiate imports them later)
         assert self.launcher.task_function is not None
         code = self.task + targets_digest(self.launcher.task_function, plan.payload.task_cfg)
@@ -393,6 +396,15 @@ class _Launch:
         ranks_ran = plan.resumed or (plan.output_dir / RANKS_STARTED_FILE).exists()
         self.configs.pop(plan.idx, None)
         self.report.ended(plan.idx, job_return, status, ranks_ran)
+
+
+def _one_line(error: Exception) -> str:
+    """A refusal's line: OmegaConf's message names its key on a line of its own."""
+    if isinstance(error, LauncherConfigError):
+        return str(error)
+    key = getattr(error, "full_key", None)
+    first = str(error).split("\n", 1)[0].strip()
+    return f"{key}: {first}" if key else first
 
 
 def _end_preempted(notice: StopNotice, summary: str, sweep_dir: Path, conf: Any) -> None:

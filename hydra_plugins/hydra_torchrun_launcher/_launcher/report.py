@@ -199,7 +199,10 @@ class SweepReport:
         failure) says the job did not end. `line`: what to say of it (its title, where it
         runs), logged; on a terminal the progress line counts it instead."""
         self._started[num] = time.monotonic() if at is None else at
-        self.outcomes[num].status = RUNNING
+        outcome = self.outcomes[num]
+        outcome.status = RUNNING
+        # a job resumed from the record runs again: its earlier run's end is not its own now
+        outcome.error = outcome.return_value = outcome.duration_s = None
         if self._progress is not None:
             self._progress.job_started(num)
         elif line is not None:

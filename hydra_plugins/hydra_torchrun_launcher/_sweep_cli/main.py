@@ -112,7 +112,7 @@ def as_json(view: SweepView) -> Dict[str, Any]:
                 "return_value": job.return_value,
                 "error": job.error,
                 "note": job.note,
-                "job_dir": job.job_dir,
+                "job_dir": job.job_dir or None,
             }
             for job in view.jobs
         ],

@@ -137,7 +137,10 @@ def read_sweep(sweep_dir: Path) -> SweepView:
             state=outcome.status,
             recorded=outcome.status,
             overrides=list(outcome.overrides),
-            job_dir=str(job_dir_of(sweep_dir.resolve(), outcome)),
+            # a job never composed (refused, or not reached) has no dir yet
+            job_dir=str(job_dir_of(sweep_dir.resolve(), outcome))
+            if outcome.subdir or outcome.job_dir
+            else "",
             slurm_id=in_flight.get(num) or _last_slurm_id(num, runs),
             elapsed_s=outcome.duration_s,
             return_value=outcome.return_value,
