@@ -85,3 +85,23 @@ def test_the_slurm_launcher_has_submitits_keys_first_then_the_per_job_keys() -> 
     per_job = [key for key, alone in described("per_job").items() if alone]
     assert names[: 1 + len(SLURM_KEYS) + len(per_job)] == ["_target_", *SLURM_KEYS, *per_job]
     assert TorchrunSlurmLauncherConf._target_.endswith(".TorchrunSlurmLauncher")
+
+
+@pytest.mark.parametrize(
+    "name, conf", [("torchrun", TorchrunLauncherConf), ("torchrun_slurm", TorchrunSlurmLauncherConf)]
+)
+def test_a_launchers_config_is_made_when_hydra_loads_it_from_its_dataclass(name: str, conf: type) -> None:
+    """Plugin discovery stores every launcher's config on every run of every app: with the
+    installed Hydra it is stored unmade, and what Hydra loads is the dataclass's defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    from hydra_plugins.hydra_torchrun_launcher.config import _BuiltWhenLoaded
+
+    store = ConfigStore.instance()
+    assert isinstance(store.repo["hydra"]["launcher"][f"{name}.yaml"], _BuiltWhenLoaded)
+    loaded = store.load(f"hydra/launcher/{name}.yaml")
+    assert loaded.group == "hydra/launcher" and loaded.package is None
+    assert OmegaConf.to_container(loaded.node) == dataclasses.asdict(conf())
+    # each load is a copy of its own: a change to one never reaches the next
+    loaded.node.nproc_per_node = 99
+    assert store.load(f"hydra/launcher/{name}.yaml").node.nproc_per_node != 99

@@ -12,9 +12,11 @@ has it on its own (and so `hydra/launcher=torchrun_slurm` too).
 """
 
 from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from hydra.core.config_store import ConfigStore
+from hydra.core.config_store import ConfigNode, ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 
 def _key(
@@ -204,15 +206,63 @@ def described(what: str) -> Dict[str, Any]:
 # torchrun's own keys (the first section of TorchrunLauncherConf), each with its flag
 TORCHRUN_FLAGS: Dict[str, str] = described("torchrun")
 
-# Stored as plain values, not as the dataclass: OmegaConf's conversion of a 45-field
-# structured config costs Hydra's start-up about 4 ms on every run of every app. The types
-# are checked, with a message naming the key, when a sweep is launched (`_launcher.settings`).
-ConfigStore.instance().store(
-    group="hydra/launcher",
-    name="torchrun",
-    node=asdict(TorchrunLauncherConf()),
-    provider="hydra_torchrun_launcher",
-)
+
+class _BuiltWhenLoaded(ConfigNode):
+    """A ConfigStore entry whose DictConfig is made the first time Hydra loads it.
+
+    OmegaConf makes a DictConfig of 45 keys in about 3 ms; storing each launcher's config
+    that way would cost every run of every app (plugin discovery) that much per launcher,
+    though only a run that picks the launcher ever reads it. Hydra's ConfigStore hands out
+    `copy(entry)` with `node` deep-copied, so a property in place of the field is all it sees.
+    """
+
+    def __init__(self, name: str, build: Callable[[], Dict[str, Any]], group: str, provider: str) -> None:
+        self._build = build
+        self._node: Optional[DictConfig] = None
+        super().__init__(name=name, node=None, group=group, package=None, provider=provider)  # type: ignore[arg-type]
+
+    @property  # type: ignore[override]
+    def node(self) -> DictConfig:
+        if self._node is None:
+            self._node = OmegaConf.create(self._build())
+        return self._node
+
+    @node.setter
+    def node(self, value: Optional[DictConfig]) -> None:
+        self._node = value
+
+
+def _defaults(conf: type) -> Dict[str, Any]:
+    """A launcher config's keys and defaults as plain values: its types are checked, with a
+    message naming the key, when a sweep is launched (`_launcher.settings`)."""
+    return asdict(conf())
+
+
+def _store(name: str, conf: type) -> None:
+    """`hydra/launcher=<name>`: `conf`'s defaults, made into a DictConfig when Hydra loads them.
+
+    Where this Hydra's ConfigStore is not the one `_BuiltWhenLoaded` knows (a `repo` of
+    nested dicts of ConfigNode), it is stored as Hydra documents, at once."""
+    store = ConfigStore.instance()
+    group = "hydra/launcher"
+    if not isinstance(getattr(store, "repo", None), dict) or [f.name for f in fields(ConfigNode)] != [
+        "name",
+        "node",
+        "group",
+        "package",
+        "provider",
+    ]:
+        store.store(group=group, name=name, node=_defaults(conf), provider="hydra_torchrun_launcher")
+        return
+    entries = store.repo
+    for part in group.split("/"):
+        entries = entries.setdefault(part, {})
+    entries[f"{name}.yaml"] = _BuiltWhenLoaded(
+        f"{name}.yaml", partial(_defaults, conf), group, "hydra_torchrun_launcher"
+    )
+
+
+_store("torchrun", TorchrunLauncherConf)
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -279,7 +329,8 @@ PerJobConf = make_dataclass(
 )
 
 
-@dataclass
+# no __repr__ or __eq__ of its 53 fields: their code costs discovery about 1 ms
+@dataclass(repr=False, eq=False)
 class TorchrunSlurmLauncherConf(PerJobConf, _SlurmQueueConf):
     """`hydra/launcher=torchrun_slurm`: every sweep job a SLURM job of its own, from a login node.
 
@@ -293,9 +344,4 @@ class TorchrunSlurmLauncherConf(PerJobConf, _SlurmQueueConf):
     detach: bool = False
 
 
-ConfigStore.instance().store(
-    group="hydra/launcher",
-    name="torchrun_slurm",
-    node=asdict(TorchrunSlurmLauncherConf()),
-    provider="hydra_torchrun_launcher",
-)
+_store("torchrun_slurm", TorchrunSlurmLauncherConf)
