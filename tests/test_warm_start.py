@@ -202,3 +202,56 @@ def test_a_preloaded_module_that_kills_the_process_is_named_and_left_out(tmp_pat
     )
     assert (result.stdout + result.stderr).count(line) == 1, result.stdout + result.stderr
     assert json.loads((tmp_path / "sweep" / "0" / "rank0.json").read_text())["rank"] == "0"
+
+
+# a Hydra plugin of the app's own project, as users add a SearchPathPlugin: each import of
+# it (each scan of Hydra's plugins) leaves a line
+PROJECT_PLUGIN = """
+import os
+
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scans.txt"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+
+class ProjectSearchPath(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        pass
+"""
+
+
+def test_hydras_plugins_are_scanned_once_a_sweep_not_again_in_each_job_and_rank(tmp_path: Path) -> None:
+    """Hydra's plugin scan imports every module under `hydra_plugins`: the launcher and the
+    warm server scan once each; the jobs and ranks forked from the server reuse its scan,
+    also when the project that launches the sweep has plugins of its own."""
+    (tmp_path / "hydra_plugins").mkdir()
+    (tmp_path / "hydra_plugins" / "project_searchpath.py").write_text(PROJECT_PLUGIN)
+    (tmp_path / "app.py").write_text(
+        WATCH_APP.replace(
+            "import reads_job_var  # noqa: E402\nimport reads_rank  # noqa: E402\n", ""
+        ).replace(
+            '{"preloaded": PRELOADED, "rank": reads_rank.RANK, "tag": reads_job_var.TAG}',
+            '{"rank": os.environ["RANK"]}',
+        )
+    )
+    run_app(
+        tmp_path / "app.py",
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.job.chdir=true",
+            "hydra.sweep.dir=sweep",
+            "+x=0,1,2",
+        ],
+        cwd=tmp_path,
+    )
+    for job in (0, 1, 2):
+        for rank in (0, 1):
+            assert json.loads((tmp_path / "sweep" / str(job) / f"rank{rank}.json").read_text()) == {
+                "rank": str(rank)
+            }
+    scans = (tmp_path / "scans.txt").read_text().split()
+    assert len(scans) == len(set(scans)) == 2, scans

@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -177,17 +177,24 @@ def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:
     """Hydra's state, plus the warm server's plugin scan when this process would scan the same.
 
     `Singleton.set_state` rescans every plugin module unless the state holds a Plugins
-    instance; Hydra leaves it out of the pickled state on purpose.
+    instance; Hydra leaves it out of the pickled state on purpose. The scan is the same when
+    it walks the same folders: `hydra_plugins.__path__` follows `sys.path`, which may name a
+    folder twice (an editable install's entry and the app's own) or by another path.
     """
     server = sys.modules.get("hydra_plugins.hydra_torchrun_launcher._server.server")
     hydra_plugins = sys.modules.get("hydra_plugins")
     if server is None or server.PLUGINS is None or hydra_plugins is None or "instances" not in state:
         return state
-    if list(getattr(hydra_plugins, "__path__", [])) != server.SCANNED_PATH:
+    if scanned_folders(getattr(hydra_plugins, "__path__", [])) != server.SCANNED_FOLDERS:
         return state
     from hydra.core.plugins import Plugins
 
     return {**state, "instances": {**state["instances"], Plugins: server.PLUGINS}}
+
+
+def scanned_folders(path: Iterable[str]) -> List[str]:
+    """The folders a plugin scan of a namespace package's `__path__` walks, each once, in order."""
+    return list(dict.fromkeys(os.path.realpath(entry) for entry in path))
 
 
 def _linger_before_failing(grace_s: float) -> None:

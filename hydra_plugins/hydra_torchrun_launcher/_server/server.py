@@ -38,7 +38,7 @@ BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.dis
 
 # set in the server (and so in every process it forks): Hydra's plugin scan, and where it looked
 PLUGINS: Optional[object] = None
-SCANNED_PATH: List[str] = []
+SCANNED_FOLDERS: List[str] = []
 
 _PID_MESSAGE = struct.Struct("=cqq")  # kind (b"P" started / b"X" exited), pid, wait status
 _REQUEST = b"J"
@@ -208,9 +208,11 @@ def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[s
     # Hydra's plugin scan (an import of every module under hydra_plugins), once for all jobs
     from hydra.core.plugins import Plugins
 
-    global PLUGINS, SCANNED_PATH
+    from .._rank.worker import scanned_folders
+
+    global PLUGINS, SCANNED_FOLDERS
     PLUGINS = Plugins.instance()
-    SCANNED_PATH = list(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
+    SCANNED_FOLDERS = scanned_folders(getattr(importlib.import_module("hydra_plugins"), "__path__", []))
     return {"skipped": skipped, "reads": reads, "unsafe": None}
 
 
