@@ -178,6 +178,8 @@ class _Sweep:
         # job number -> SLURM id (`<array>_<number>`) of the jobs not collected yet
         self.slurm_ids: Dict[int, str] = {}
         self.submitted = read_submitted(directory)
+        # jobs ended since `submitted` was last written, to report once it is (`_report_ended`)
+        self.ended: List[Tuple[int, JobReturn, bool]] = []
         # the recorded jobs of an earlier run that SLURM still has (`_still_there`), asked once
         self.alive: Any = _UNKNOWN
         self.stop_signum: Optional[int] = None
@@ -273,6 +275,7 @@ class _Sweep:
                 for plan in group:
                     self.events.started(plan, None)
                     self._end(plan.idx, _failure(f"sbatch refused job #{plan.idx} ({asked}): {e}"))
+                self._report_ended()
                 continue
             for plan in group:
                 slurm_id = f"{array_id}_{plan.idx}"
@@ -315,16 +318,20 @@ class _Sweep:
         while self.slurm_ids:
             self._check_stop()
             runs = latest_runs(self.directory)
-            for idx in list(self.slurm_ids):
-                attempt = self._new_run(runs, idx, "result")
-                if attempt is not None:
-                    self._judge(by_idx[idx], attempt)
-                else:
-                    self._note_requeue(idx)
-            if self.slurm_ids and time.monotonic() >= next_poll:
-                self._poll(by_idx)
-                interval = min(POLL_MAX_S, interval * POLL_GROWTH)
-                next_poll = time.monotonic() + (min(interval, POLL_CONFIRM_S) if self.ending else interval)
+            try:
+                for idx in list(self.slurm_ids):
+                    attempt = self._new_run(runs, idx, "result")
+                    if attempt is not None:
+                        self._judge(by_idx[idx], attempt)
+                    else:
+                        self._note_requeue(idx)
+                if self.slurm_ids and time.monotonic() >= next_poll:
+                    self._poll(by_idx)
+                    interval = min(POLL_MAX_S, interval * POLL_GROWTH)
+                    wait_s = min(interval, POLL_CONFIRM_S) if self.ending else interval
+                    next_poll = time.monotonic() + wait_s
+            finally:
+                self._report_ended()
             if self.slurm_ids:
                 time.sleep(RESULT_CHECK_S)
         return self.returns
@@ -487,12 +494,23 @@ class _Sweep:
         it is no longer in flight."""
         if job_return.overrides is None:  # SLURM's failure, not one the job returned
             job_return.overrides = self.overrides.get(idx)
-        self.events.ended(self.plans[idx], job_return, stopped)
+        self.ended.append((idx, job_return, stopped))
         self.returns[idx] = job_return
         self.ending.discard(idx)
         if self.slurm_ids.pop(idx, None) is not None:
             self.submitted.pop(str(idx), None)
-            write_submitted(self.directory, self.submitted)
+
+    def _report_ended(self) -> None:
+        """The jobs ended in this round of polls to the driver, once `submitted.json` no longer
+        lists them: the file is rewritten whole and fsync'd, once a round rather than once a
+        job (a thousand-job sweep would write a million entries); and first, so that a command
+        killed in between leaves a job neither taken back nor recorded: it runs again."""
+        if not self.ended:
+            return
+        write_submitted(self.directory, self.submitted)
+        ended, self.ended = self.ended, []
+        for idx, job_return, stopped in ended:
+            self.events.ended(self.plans[idx], job_return, stopped)
 
     # -- cancel ---------------------------------------------------------------------------
 
@@ -516,6 +534,7 @@ class _Sweep:
         for idx, slurm_id in list(self.slurm_ids.items()):
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
             self._end(idx, _failure(message), stopped=True)
+        self._report_ended()
         return f"SLURM job(s) {', '.join(ids)}{_said(said)}{on}"
 
     def detached_words(self, sweep_dir: str) -> str:
