@@ -405,7 +405,7 @@ def test_on_a_terminal_one_progress_line_is_redrawn_in_place_and_a_failure_print
 ) -> None:
     app_dir = _install(tmp_path)
     code, received = _on_a_terminal(
-        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3,0.4", "fail_at=0.2", "hold=1.5"
+        app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1,0.2,0.3,0.4", "fail_at=0.2", "hold=1.5", "+say=ok"
     )
     assert code == 1, received
     screen = _screen(received)
@@ -428,8 +428,11 @@ def test_on_a_terminal_one_progress_line_is_redrawn_in_place_and_a_failure_print
     ), drawn
     assert drawn[-1].startswith("sweep: 4/4 ended (1 failed), 0 running, 0 pending; "), drawn
     assert len(set(drawn)) >= 8, drawn  # its elapsed time moves on while a job runs
-    # none of it is left on the screen: every drawing was cleared or written over
+    # none of it is left on the screen: every drawing was cleared or written over, also by
+    # a rank's line shorter than it
     assert not any(re.search(r"\d/4 ended.*pending", line) for line in screen), shown
+    assert not any("elapsed, ETA" in line for line in screen), shown
+    assert screen.count("[default0]:ok") == 3 and screen.count("[default1]:ok") == 3, shown
 
     # it takes the place of a line per job started or completed; not of a failure's
     assert "Launching 4 jobs with torchrun into sweep" in shown, shown
@@ -437,7 +440,7 @@ def test_on_a_terminal_one_progress_line_is_redrawn_in_place_and_a_failure_print
     failed = [i for i, line in enumerate(screen) if "job 2 of 4 ended: #1 : lr=0.2 fail_at=0.2" in line]
     assert len(failed) == 1, shown
     assert HYDRA_LINE.match(screen[failed[0]]) and re.search(
-        r"\] job 2 of 4 ended: #1 : lr=0.2 fail_at=0.2 hold=1.5 : FAILED in [\d.]+s: "
+        r"\] job 2 of 4 ended: #1 : lr=0.2 fail_at=0.2 hold=1.5 \+say=ok : FAILED in [\d.]+s: "
         r"rank 1 \(local_rank 1, pid \d+\) exited with code 1: ValueError: lr=0.2 diverged$",
         screen[failed[0]],
     ), shown
@@ -451,9 +454,9 @@ def test_on_a_terminal_one_progress_line_is_redrawn_in_place_and_a_failure_print
     tally = next(i for i, line in enumerate(screen) if "4 jobs: 3 completed, 1 failed" in line)
     assert HYDRA_LINE.match(screen[tally]), shown
     assert re.match(r"1\s+FAILED\s+[\d.]+s\s+lr=0.2\s+rank 1 exited with code 1", screen[tally + 3]), shown
-    assert screen[tally + 6] == "overrides every job has: fail_at=0.2 hold=1.5", shown
-    assert screen[tally + 7] == "Error executing job with overrides: ['lr=0.2', 'fail_at=0.2', 'hold=1.5']", (
-        shown
-    )
+    assert screen[tally + 6] == "overrides every job has: fail_at=0.2 hold=1.5 +say=ok", shown
+    assert screen[tally + 7] == (
+        "Error executing job with overrides: ['lr=0.2', 'fail_at=0.2', 'hold=1.5', '+say=ok']"
+    ), shown
     jobs = _summary(app_dir / "sweep")
     assert [j["status"] for j in jobs] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], jobs

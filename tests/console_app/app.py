@@ -2,6 +2,7 @@
 
 Every rank logs a line, writes `rank<R>.txt` (world size, the job's TAG from env_set, lr)
 into its job dir and returns lr * 10; in the job whose lr equals `fail_at`, rank 1 raises.
+With `+say=TEXT`, every rank prints TEXT once it has waited `hold` seconds.
 """
 
 import logging
@@ -25,6 +26,8 @@ def main(cfg: DictConfig) -> float:
     if cfg.fail_at is not None and cfg.lr == cfg.fail_at and rank == 1:
         raise ValueError(f"lr={cfg.lr} diverged")
     time.sleep(cfg.hold)
+    if cfg.get("say"):  # a short line of a rank's own, as `print` writes it
+        print(cfg.say, flush=True)
     output_dir = HydraConfig.get().runtime.output_dir
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{os.environ['WORLD_SIZE']} {os.environ.get('TAG', '')} {cfg.lr}\n")

@@ -5,9 +5,14 @@ bar (`\\r` updates) or any write without a newline comes out cut in pieces, inte
 other ranks' pieces. Here each rank's files are followed as bytes and only complete lines
 (ended by `\\n` or `\\r`) are printed; a `\\r` update becomes a line of its own. The files
 themselves, written by the ranks, keep everything as it was written.
+
+On a terminal, each line ends by erasing the rest of the screen's line: the launcher's
+progress line waits there with the cursor at its start, and a rank's line shorter than it
+would leave its end showing.
 """
 
 import dataclasses
+import os
 import re
 import sys
 import threading
@@ -18,6 +23,17 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsDest
 
 POLL_INTERVAL_S = 0.05
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+# erase from the cursor to the end of the screen's line
+_ERASE_TO_END = "\x1b[K"
+
+
+def _line_end(stream: TextIO) -> str:
+    """How a line ends on `stream`: erasing what a progress line left, on a terminal."""
+    try:
+        terminal = stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError, OSError):
+        terminal = False
+    return _ERASE_TO_END + "\n" if terminal else "\n"
 
 
 class _Follower:
@@ -29,6 +45,7 @@ class _Follower:
         self.stream = stream
         self.offset = 0
         self.pending = b""
+        self.line_end = _line_end(stream)
 
     def pump(self, final: bool) -> None:
         try:
@@ -49,7 +66,7 @@ class _Follower:
             lines.append(rest)
             self.pending = b""
         if lines:
-            text = "".join(f"{self.prefix}{line.decode(errors='replace')}\n" for line in lines)
+            text = "".join(f"{self.prefix}{line.decode(errors='replace')}{self.line_end}" for line in lines)
             self.stream.write(text)
             self.stream.flush()
 
