@@ -192,6 +192,27 @@ def test_a_dir_without_a_record_is_one_line_naming_the_file_looked_for(tmp_path:
         )
         and broken.stderr.count("\n") == 1
     ), broken.stderr
+    # valid JSON of another shape: a list, a job that is not an object
+    for text, why in [
+        ("[1, 2]", "not a JSON object with a list of jobs"),
+        ('{"jobs": [3]}', "a job in it is not a JSON object"),
+    ]:
+        (tmp_path / "empty" / "sweep_summary.json").write_text(text)
+        other = _tool(tmp_path, command, "empty")
+        assert (other.returncode, other.stdout, other.stderr) == (
+            2,
+            "",
+            "torchrun-sweep: empty/sweep_summary.json cannot be read as a sweep's record: "
+            f"ValueError: {why}\n",
+        )
+    # a file given for the sweep dir
+    file = _tool(tmp_path, command, "empty/sweep_summary.json")
+    assert (file.returncode, file.stdout, file.stderr) == (
+        2,
+        "",
+        "torchrun-sweep: empty/sweep_summary.json: not a directory (a sweep dir holds the sweep's record, "
+        "sweep_summary.json)\n",
+    )
 
 
 HOLD_APP = """

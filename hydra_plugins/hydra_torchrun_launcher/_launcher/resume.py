@@ -106,6 +106,10 @@ def read_record(sweep_dir: Path) -> Record:
             rows, interrupted = read_journal(path)
             return Record({num: JobOutcome(**row) for num, row in rows.items()}, interrupted)
         data = strict_json(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
+            raise ValueError("not a JSON object with a list of jobs")
+        if not all(isinstance(row, dict) for row in data["jobs"]):
+            raise ValueError("a job in it is not a JSON object")
         jobs = {int(row["num"]): JobOutcome(**row) for row in data["jobs"]}
         return Record(jobs, bool(data.get("interrupted", False)))
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:

@@ -182,6 +182,10 @@ def _record(sweep_dir: Path) -> Record:
     """The sweep's record, through the launcher's own reader; NoRecord when there is none or
     it cannot be read (what the reader said of it, not its advice to a launcher)."""
     path = sweep_dir / SUMMARY_FILE
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise NoRecord(
+            f"{_shown(sweep_dir)}: not a directory (a sweep dir holds the sweep's record, {SUMMARY_FILE})"
+        )
     if not sweep_dir.is_dir():
         raise NoRecord(
             f"{_shown(sweep_dir)}: no such directory (looked for the sweep's record, {_shown(path)})"
