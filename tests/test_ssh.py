@@ -37,6 +37,7 @@ pytestmark = pytest.mark.timeout(600)
 # an app that says what its ranks see of the environment
 ENV_APP = """
 import os
+import socket
 import hydra
 import torch.distributed as dist
 from held_gather import all_gather_held
@@ -48,7 +49,7 @@ VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"ver
 def main(cfg):
     dist.init_process_group("gloo")
     names = ("HTL_FORWARDED", "HTL_NOT_FORWARDED", "JOB_TAG", "CUDA_VISIBLE_DEVICES", "SSH_CONNECTION")
-    seen = all_gather_held({name: os.environ.get(name) for name in names})
+    seen = all_gather_held({"host": socket.gethostname(), **{name: os.environ.get(name) for name in names}})
     dist.destroy_process_group()
     return seen
 
@@ -335,6 +336,41 @@ def test_a_hostfile_with_slots_and_comments_shares_out_each_host_s_devices(
         "1",
         "1",
     ]
+    _nothing_left(hosts)
+
+
+def test_rerun_sh_of_a_job_reruns_it_on_the_host_and_devices_it_had(
+    hosts: SshHosts, app_dir: Path, tmp_path: Path
+) -> None:
+    (app_dir / "hostfile").write_text("host1 slots=2\nhost2 slots=2\n")
+    result = _sweep(hosts, app_dir, "hydra.launcher.hostfile=hostfile", "x=1,2,3,4", app="env_app.py")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    (num,) = [
+        n
+        for n in range(4)
+        if jobs[n]["return_value"][0]["host"] == "host2"
+        and jobs[n]["return_value"][0]["CUDA_VISIBLE_DEVICES"] == "1"
+    ]
+    job_dir = app_dir / "sweep" / str(num)
+    # run by hand from elsewhere, as a user reruns one job of a sweep
+    rerun = subprocess.run(
+        ["bash", str(job_dir / "rerun.sh")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    said = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, said
+    assert f"#0 : x={num + 1} on host2\n" in said and "host1" not in said, said
+    (rerun_dir,) = job_dir.glob("rerun_*")
+    (again,) = json.loads((rerun_dir / "sweep_summary.json").read_text())["jobs"]
+    assert again["status"] == "COMPLETED", said
+    assert again["return_value"][0]["host"] == "host2", again
+    assert again["return_value"][0]["CUDA_VISIBLE_DEVICES"] == "1", again
+    assert again["return_value"][0]["JOB_TAG"] == "job_0", again  # a sweep of its own
     _nothing_left(hosts)
 
 

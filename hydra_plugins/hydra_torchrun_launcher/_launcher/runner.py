@@ -12,13 +12,23 @@ Models: submitit's Executor over one core, Hydra's joblib launcher (`_core.launc
 lifecycle).
 """
 
-from typing import Any, Dict, List, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig
 
 from .._shared.plan import JobPlan, JobSettings
 from .preempt import StopNotice
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a runner put a job, for its rerun.sh to run it there again: the overrides that
+    say so (after the sweep's and the job's own) and the words its header gives them."""
+
+    overrides: Tuple[str, ...]
+    where: str
 
 
 class SweepDetached(Exception):
@@ -41,11 +51,17 @@ class JobEvents(Protocol):
     """What a runner tells the driver as its jobs go (the driver records and reports it)."""
 
     def request(
-        self, plan: JobPlan, devices: Optional[List[str]], environ: Dict[str, str], ignored_signals: List[int]
+        self,
+        plan: JobPlan,
+        devices: Optional[List[str]],
+        environ: Dict[str, str],
+        ignored_signals: List[int],
+        placed: Optional[Placement] = None,
     ) -> bytes:
         """The job process's encoded request, made just before the job is handed to its nodes
         (the launcher's state as it is now); its rerun.sh is written and an earlier run's
-        mark of its ranks cleared (unless it continues in its job dir)."""
+        mark of its ranks cleared (unless it continues in its job dir). `placed`: where the
+        runner put the job, for its rerun.sh to run it there again (None: on `devices`)."""
 
     def started(self, plan: JobPlan, detail: Optional[str]) -> None:
         """The job is handed to its nodes, or taken back from an earlier run: its time counts

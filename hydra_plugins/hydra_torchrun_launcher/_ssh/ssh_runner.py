@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import selectors
 import signal
 import sys
@@ -40,7 +41,7 @@ from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
-from .._launcher.runner import JobEvents, JobFeed
+from .._launcher.runner import JobEvents, JobFeed, Placement
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, Rendezvous
@@ -345,7 +346,7 @@ class _Sweep:
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
-        request = self.events.request(first, devices[0], environs[0], [])
+        request = self.events.request(first, devices[0], environs[0], [], _placement(hosts, devices))
         where = ", ".join(
             state.host.name + (f" (devices {','.join(d)})" if d else "") for state, d in zip(hosts, devices)
         )
@@ -425,6 +426,24 @@ class _Sweep:
         for state in self.hosts:
             state.agent.close()
         self.selector.close()
+
+
+def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> Placement:
+    """The job's hosts, in order (its rendezvous on the first), for its rerun.sh: a one-job
+    sweep on them, whatever hosts the sweep had; the devices it had on hosts with slots,
+    where every host gave it the same ones (else each host's are all visible to it)."""
+    names = [state.host.name for state in hosts]
+    quoted = [name if re.fullmatch(r"[A-Za-z0-9_.@:-]+", name) else f"'{name}'" for name in names]
+    overrides = [f"hydra.launcher.hosts=[{','.join(quoted)}]", "hydra.launcher.hostfile=null"]
+    where = f"on the hosts it ran on ({', '.join(names)})"
+    shares = {",".join(d) for d in devices if d is not None}
+    if len(shares) == 1 and all(d is not None for d in devices):
+        (share,) = shares
+        overrides.append(f"++hydra.job.env_set.CUDA_VISIBLE_DEVICES='{share}'")
+        where += f", devices {share}"
+    elif shares:
+        where += " (all of each host's devices: they had different ones)"
+    return Placement(tuple(overrides), where)
 
 
 def _job_return(running: _Running) -> JobReturn:
