@@ -241,6 +241,18 @@ class SshHosts:
                 return left
             time.sleep(0.1)
 
+    def crash(self, name: str) -> List[int]:
+        """Kill (SIGKILL) every process of `name` but its listening sshd, as a host that dies
+        takes its sessions and jobs with it: its kernel closes their connections. The pids
+        killed (all started through this host's sshd)."""
+        pids = self.processes(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        return pids
+
     # -- tear-down ----------------------------------------------------------------------
 
     def stop(self) -> None:

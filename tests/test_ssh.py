@@ -270,6 +270,31 @@ def test_ctrl_c_stops_every_rank_on_every_host_and_ends_in_one_line(hosts: SshHo
     _nothing_left(hosts)
 
 
+def test_a_host_lost_mid_sweep_fails_its_job_naming_it_and_the_sweep_goes_on_on_the_other(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    # each job runs x steps: the second (on host2) runs until its host is lost
+    head = _start(
+        hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "step_s=0.1", "steps=${x}", "x=3,100000,4,5"
+    )
+    try:
+        seen = _read_until(head, ["x=100000 on host2", "rank 0 running x=100000"])
+        assert hosts.crash("host2")
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    assert head.returncode == 1, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(4)] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], output
+    assert jobs[1]["error"].startswith("host host2 was lost: "), jobs[1]
+    assert [jobs[n]["return_value"]["hosts"] for n in (2, 3)] == [["host1"], ["host1"]], output
+    lost = [line for line in output.splitlines() if "host2 was lost" in line]
+    assert "the sweep goes on on the other hosts" in lost[0], output
+    assert "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
 def test_the_head_killed_with_sigkill_leaves_no_process_on_any_host(hosts: SshHosts, app_dir: Path) -> None:
     head = _start(
         hosts,
