@@ -399,6 +399,37 @@ def test_rerun_sh_of_a_job_reruns_it_on_the_host_and_devices_it_had(
     _nothing_left(hosts)
 
 
+def test_the_readme_s_console_is_what_a_run_on_two_hosts_prints(tmp_path: Path) -> None:
+    """README.md's "Without a scheduler" console, run as shown (its hosts `gpu1`, `gpu2`; the
+    user's ssh config is this test's file) and compared as tests/test_readme.py compares."""
+    from tests.test_readme import PROJECTS, check_excerpt
+
+    (block,) = [
+        b
+        for p in PROJECTS
+        for b in p.blocks
+        if p.page == "README.md"
+        and b.body.startswith("$ python my_app.py --multirun hydra/launcher=torchrun_ssh")
+    ]
+    command, *excerpt = block.body.splitlines()
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).parents[1] / "example", project)
+    (project / "hosts").write_text("gpu1\ngpu2\n")
+    skip_or_fail(unavailable())
+    with SshHosts(tmp_path, ["gpu1", "gpu2"]) as hosts:
+        run = subprocess.run(
+            [sys.executable, *command.split()[2:], f"hydra.launcher.ssh_options={hosts.ssh_options()}"],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=SWEEP_TIMEOUT_S,
+        )
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output
+        assert not check_excerpt(excerpt, output, project), output
+        _nothing_left(hosts)
+
+
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
     text = "# comment\nworker-1 slots=4\nworker-2\n  worker-3 slots=8 # trailing\n"
     assert parse_hostfile(text, "hostfile") == [Host("worker-1", 4), Host("worker-2"), Host("worker-3", 8)]
