@@ -253,6 +253,11 @@ class SshHosts:
                 continue
         return pids
 
+    def cut(self, name: str, up: bool = False) -> None:
+        """Take `name`'s link to the others down (`up`: back up), as a network cut: nothing
+        reaches either side, and no connection is closed."""
+        _run(["ip", "link", "set", self.veths[name][0], "up" if up else "down"])
+
     # -- tear-down ----------------------------------------------------------------------
 
     def stop(self) -> None:

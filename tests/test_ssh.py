@@ -23,6 +23,7 @@ import pytest
 
 import hydra_plugins.hydra_torchrun_launcher
 from hydra_plugins.hydra_torchrun_launcher._ssh.hosts import Host, forwarded, parse_hostfile
+from hydra_plugins.hydra_torchrun_launcher._ssh.wire import SILENCE_S
 from tests.conftest import kill_tree
 from tests.slurm_cluster import skip_or_fail
 from tests.ssh_hosts import SshHosts, unavailable
@@ -292,6 +293,37 @@ def test_a_host_lost_mid_sweep_fails_its_job_naming_it_and_the_sweep_goes_on_on_
     lost = [line for line in output.splitlines() if "host2 was lost" in line]
     assert "the sweep goes on on the other hosts" in lost[0], output
     assert "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
+def test_a_host_cut_off_mid_sweep_fails_its_job_and_its_agent_ends_the_ranks_there(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """No connection closes (the host, or the network to it, is down): each side takes the
+    other's silence as its end."""
+    head = _start(
+        hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "step_s=0.1", "steps=${x}", "x=3,100000,4,5"
+    )
+    try:
+        seen = _read_until(head, ["x=100000 on host2", "rank 0 running x=100000"])
+        hosts.cut("host2")
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    assert head.returncode == 1, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(4)] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], output
+    assert jobs[1]["error"].startswith(f"host host2 was lost: no word from its agent for {SILENCE_S:g} s"), (
+        jobs[1]
+    )
+    assert [jobs[n]["return_value"]["hosts"] for n in (2, 3)] == [["host1"], ["host1"]], output
+    # on host2, cut off still, its agent ended the job's ranks and itself
+    deadline = time.monotonic() + SILENCE_S + 60
+    while any("python" in line for line in hosts.command_lines("host2")):
+        assert time.monotonic() < deadline, hosts.command_lines("host2")
+        time.sleep(0.2)
+    hosts.cut("host2", up=True)  # its sshd's session learns that the head's connection is gone
     _nothing_left(hosts)
 
 

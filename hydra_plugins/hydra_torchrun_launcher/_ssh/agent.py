@@ -13,7 +13,9 @@ dir need not be shared. The job processes' stdout comes back as messages; their 
 the session's.
 
 The agent ends when its stdin ends (the head exited, was killed with -9, or the connection
-was lost): it kills what its job processes started, their whole process groups, first.
+was closed), or when the head has been silent for SILENCE_S (the connection was lost without
+closing: a network cut, the head's machine off; `_ssh.wire`): it kills what its job
+processes started, their whole process groups, first.
 """
 
 import logging
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._server.server import WarmServer, checked_warm_server
-from .wire import Reader, read_message, send
+from .wire import HEARTBEAT_S, SILENCE_S, Reader, read_message, send
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,26 @@ class Agent:
         self.nodes: Dict[Key, _Node] = {}
         self.selector = selectors.DefaultSelector()
         self.server: Optional[WarmServer] = None
+        self.heartbeat_s = HEARTBEAT_S
+        self.silence_s = SILENCE_S
+        # when the head was last heard, and this agent last sent anything
+        self.heard = self.said = time.monotonic()
+
+    def _send(self, message: Any) -> None:
+        """Send `message` to the head; PeerSilent when the head takes none of it for silence_s."""
+        send(self.proto_out, message, self.silence_s)
+        self.said = time.monotonic()
 
     def serve(self) -> int:
         _, setup = read_message(self.proto_in, self.reader)
         sys.path[:] = list(setup["sys_path"])
+        self.heartbeat_s = float(setup.get("heartbeat_s", HEARTBEAT_S))
+        self.silence_s = float(setup.get("silence_s", SILENCE_S))
         self.server = checked_warm_server(tuple(setup["preload"]), setup["varying"])
-        send(self.proto_out, ("ready", {"hostname": socket.gethostname(), "environ": dict(os.environ)}))
+        # a head that stops reading (its connection lost) must not block this agent for good
+        os.set_blocking(self.proto_out, False)
+        self._send(("ready", {"hostname": socket.gethostname(), "environ": dict(os.environ)}))
+        self.heard = time.monotonic()
         self.selector.register(self.proto_in, selectors.EVENT_READ, "head")
         self.selector.register(self.output_r, selectors.EVENT_READ, "output")
         try:
@@ -74,6 +90,7 @@ class Agent:
                         data = os.read(self.proto_in, 1 << 20)
                         if not data:
                             return 0  # the head is gone: so is every job of it here
+                        self.heard = time.monotonic()
                         for message in self.reader.feed(data):
                             self._handle(message)
                     elif key.data == "output":
@@ -81,6 +98,17 @@ class Agent:
                     else:
                         self._read_result(key.data)
                 self._kill_overdue()
+                now = time.monotonic()
+                if now - self.heard > self.silence_s:
+                    print(
+                        f"[torchrun launcher] no word from the head for {self.silence_s:g} s: "
+                        "its connection is lost; ending this host's jobs",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 0
+                if now - self.said >= self.heartbeat_s:
+                    self._send(("alive",))
         finally:
             self._end_all()
 
@@ -88,6 +116,8 @@ class Agent:
 
     def _handle(self, message: Any) -> None:
         kind = message[0]
+        if kind == "ping":
+            return  # the head is alive (noted as it was read)
         if kind == "job":
             _, key, request, job_dir, limit_s = message
             self._start(key, request, job_dir, limit_s)
@@ -119,7 +149,7 @@ class Agent:
     def _forward_output(self) -> None:
         data = os.read(self.output_r, 1 << 16)
         if data:
-            send(self.proto_out, ("out", data))
+            self._send(("out", data))
 
     def _read_result(self, key: Key) -> None:
         node = self.nodes[key]
@@ -136,7 +166,7 @@ class Agent:
             self._forward_output()
         files, left = job_files(Path(node.job_dir))
         result = b"".join(node.data) if node.data else None
-        send(self.proto_out, ("ended", key, result, status, node.pid, files, left))
+        self._send(("ended", key, result, status, node.pid, files, left))
 
     def _output_waiting(self) -> bool:
         ready = selectors.DefaultSelector()
@@ -146,9 +176,11 @@ class Agent:
         finally:
             ready.close()
 
-    def _next_timeout(self) -> Optional[float]:
+    def _next_timeout(self) -> float:
+        """Until the next job to kill, the next heartbeat, or the head's silence limit."""
         limits = [node.kill_after for node in self.nodes.values() if node.kill_after is not None]
-        return max(0.0, min(limits) - time.monotonic()) if limits else None
+        limits += [self.said + self.heartbeat_s, self.heard + self.silence_s]
+        return max(0.0, min(limits) - time.monotonic())
 
     def _kill_overdue(self) -> None:
         now = time.monotonic()

@@ -7,18 +7,21 @@ honoured (`-F` in `ssh_options` names another). An ssh runs in a session of its 
 terminal's Ctrl-C reaches the hosts only through the head (which stops the jobs there
 through torch's own shutdown path), never by cutting the connection. The agents' output
 is relayed to the head's console in whole lines; an agent that ends before it is ready is
-named with ssh's own reason (its last line on stderr).
+named with ssh's own reason (its last line on stderr). A ready agent silent for SILENCE_S
+(`_ssh.wire`: its host or the network to it is down, which ssh alone may never notice) is
+taken as lost and its ssh killed.
 """
 
 import os
 import shlex
 import subprocess
 import sys
+import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence
 
 from .hosts import Host
-from .wire import BrokenStream, Reader, send
+from .wire import SILENCE_S, BrokenStream, Reader, send
 
 AGENT_MODULE = "hydra_plugins.hydra_torchrun_launcher._ssh.agent"
 # how long a closed agent has to end before its ssh is killed
@@ -83,6 +86,8 @@ class HostAgent:
         self.tail: Deque[bytes] = deque(maxlen=20)
         self.stdout_open = True
         self.stderr_open = True
+        # when the agent was last heard (anything on its streams), and last sent anything
+        self.heard = self.said = time.monotonic()
         try:
             send(self.stdin, ("setup", setup))
         except BrokenPipeError:
@@ -99,6 +104,7 @@ class HostAgent:
         if not data:
             self.stdout_open = False
             return []
+        self.heard = time.monotonic()
         try:
             messages = self.reader.feed(data)
         except BrokenStream as e:
@@ -109,6 +115,8 @@ class HostAgent:
         for message in messages:
             if message[0] == "out":
                 self.out.write(message[1])
+            elif message[0] == "alive":
+                continue
             elif message[0] == "ready":
                 self.ready = message[1]
                 for chunk in self.early_err:
@@ -123,6 +131,7 @@ class HostAgent:
         if not data:
             self.stderr_open = False
             return
+        self.heard = time.monotonic()
         self.tail.extend(data.splitlines())
         if self.ready is None:
             self.early_err.append(data)
@@ -146,6 +155,16 @@ class HostAgent:
             send(self.stdin, message)
         except (BrokenPipeError, ConnectionResetError):
             return False
+        self.said = time.monotonic()
+        return True
+
+    def silent(self, now: float) -> bool:
+        """A ready agent not heard for SILENCE_S is lost: its ssh is killed (its streams end,
+        and its jobs fail with this reason)."""
+        if self.ready is None or self.lost is not None or now - self.heard <= SILENCE_S:
+            return False
+        self.lost = f"no word from its agent for {SILENCE_S:g} s (the host, or the network to it, is down)"
+        self.process.kill()
         return True
 
     def close(self) -> None:

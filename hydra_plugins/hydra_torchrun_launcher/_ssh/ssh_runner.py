@@ -50,6 +50,7 @@ from .head import HostAgent, ssh_command
 from .hosts import Host, forwarded
 from .nodes import node_request
 from .options import SWEEP_WIDE, SshOptions, split_launcher_config
+from .wire import HEARTBEAT_S, SILENCE_S
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,8 @@ class _Sweep:
             "sys_path": list(sys.path),
             "preload": list(self.runner.preload),
             "varying": sorted(varying_variables([self.runner.first_plan])),
+            "heartbeat_s": HEARTBEAT_S,
+            "silence_s": SILENCE_S,
         }
         cwd = os.getcwd()
         for host in self.first.hosts:
@@ -297,6 +300,17 @@ class _Sweep:
             self._node_ended(running, node, _failure(why, running.plan))
         state.jobs.clear()
 
+    def _heartbeat(self) -> None:
+        """Tell each live agent the head is alive; an agent silent too long is lost (its ssh
+        killed: its streams' end fails its jobs, naming the host)."""
+        now = time.monotonic()
+        for state in self.hosts:
+            agent = state.agent
+            if agent.silent(now):
+                log.warning(f"host {state.host.name}: {agent.lost}")
+            elif agent.ready is not None and now - agent.said >= HEARTBEAT_S:
+                agent.send(("ping",))
+
     # -- jobs -----------------------------------------------------------------------------
 
     def run(self) -> Dict[int, JobReturn]:
@@ -324,7 +338,8 @@ class _Sweep:
                 upcoming = self.jobs.next()
             if not self.running:
                 break
-            self._pump(timeout=None)
+            self._pump(timeout=HEARTBEAT_S)
+            self._heartbeat()
         if self.signum is not None:
             raise SweepStopped(self.signum)
         return self.returns
