@@ -351,6 +351,40 @@ def test_the_head_killed_with_sigkill_leaves_no_process_on_any_host(hosts: SshHo
     _nothing_left(hosts)
 
 
+def test_the_stop_signal_reaches_every_rank_on_every_host_and_they_stop_at_one_step(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    head = _start(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "steps=1000",
+        "step_s=0.1",
+        "x=1",
+    )
+    try:
+        seen = _read_until(head, ["rank 0 running x=1"])
+        os.kill(head.pid, signal.SIGUSR2)  # the head's notice, as a scheduler or a user sends it
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    stopped = {}
+    for line in output.splitlines():
+        if ": stopping after step " in line:
+            rank, step = line.split("rank ", 1)[1].split(": stopping after step ")
+            stopped[int(rank)] = int(step)
+    # every rank of the job, on both hosts, stopped at the same step (should_stop agreed)
+    assert sorted(stopped) == [0, 1, 2, 3] and len(set(stopped.values())) == 1, output
+    assert _summary(app_dir)[0]["status"] == "PREEMPTED", output
+    preempted = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGUSR2")]
+    assert len(preempted) == 1 and "the sweep was preempted: preempted #0" in preempted[0], output
+    assert head.returncode != 0 and "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
 def test_env_forward_passes_the_named_variables_and_no_other(hosts: SshHosts, app_dir: Path) -> None:
     env = dict(os.environ, HTL_FORWARDED="from the head", HTL_NOT_FORWARDED="kept on the head")
     result = _sweep(
