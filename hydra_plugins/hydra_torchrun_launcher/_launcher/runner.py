@@ -5,8 +5,8 @@ what resumes, records and reports what comes back, and ends on a stop signal. A 
 knows only how to run jobs somewhere: how a job's launcher config reads (its keys), the
 sweep-wide checks of its own, its dry run, and `run`: start the jobs' nodes, tell the
 driver as each starts and ends (`JobEvents`), and stop or cancel them on a stop signal. The
-local pool of job processes (`_launcher.local_runner`) and SLURM (`_submit.slurm_runner`)
-are the two runners; a new one (another scheduler, hosts over ssh) is one more class,
+local pool of job processes (`_launcher.local_runner`), SLURM (`_submit.slurm_runner`) and
+hosts over ssh (`_ssh.ssh_runner`) are the runners; a new one (another scheduler) is one more class,
 importing this module and the driver's public pieces, never the driver's internals.
 Models: submitit's Executor over one core, Hydra's joblib launcher (`_core.launch` owns the
 lifecycle).
