@@ -20,6 +20,7 @@ setup(
         "hydra.plugins": [
             "torchrun = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunLauncher",
             "torchrun_slurm = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunSlurmLauncher",
+            "torchrun_ssh = hydra_plugins.hydra_torchrun_launcher.torchrun_launcher:TorchrunSshLauncher",
         ],
         # where a sweep stands, and cancelling its SLURM jobs (README: "torchrun-sweep")
         "console_scripts": [

@@ -17,12 +17,14 @@ the hosts' namespaces by PID and removes the namespaces and the bridge.
 `unavailable()` says why hosts cannot run here (not root, no sshd, no namespaces).
 """
 
+import fcntl
+import hashlib
+import itertools
 import os
 import shutil
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -30,6 +32,10 @@ from tests import slurm_cluster
 
 SSHD = "/usr/sbin/sshd"
 START_TIMEOUT_S = 30.0
+# taken while a hosts set picks its subnet and makes its bridge (every test run on the machine)
+SUBNET_LOCK = "/run/lock/hydra_torchrun_ssh_hosts.lock"
+# the hosts sets this process has made
+_SETS = itertools.count()
 
 
 def unavailable() -> Optional[str]:
@@ -57,13 +63,19 @@ class SshHosts:
         self.names = list(names)
         self.root = root / "ssh"
         self.hidden = hidden or {}
-        tag = uuid.uuid4().hex[:6]
-        self.bridge = f"hbr{tag}"
+        if len(self.names) > 10:
+            raise ValueError("at most 10 hosts (one digit in their interface names)")
+        # names of this process's own (its pid, and a count of its hosts sets): no other test
+        # run on the machine, nor another set of this one, makes the same
+        tag = f"{os.getpid():06x}{next(_SETS) % 256:02x}"
+        self.bridge = f"hsb{tag}"
         self.namespaces = {name: f"htlssh-{tag}-{i}" for i, name in enumerate(self.names)}
-        # a private /24, apart from the SLURM cluster's (10.200-249) and the pods' (10.150-199)
-        self.subnet = f"10.{100 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-        self.addresses = {name: f"{self.subnet}.{i + 1}" for i, name in enumerate(self.names)}
-        self.head_address = f"{self.subnet}.254"
+        self.veths = {name: (f"hs{tag}{i}h", f"hs{tag}{i}n") for i, name in enumerate(self.names)}
+        # a private /24 that no interface of the machine has (`_free_subnet`), chosen when the
+        # bridge is made; apart from the SLURM cluster's (10.200-249) and the pods' (10.150-199)
+        self.subnet = ""
+        self.addresses: Dict[str, str] = {}
+        self.head_address = ""
         self.config = self.root / "ssh_config"
         self.sshd: Dict[str, subprocess.Popen] = {}
 
@@ -127,14 +139,20 @@ class SshHosts:
         self._wait_listening()
 
     def _network(self) -> None:
-        _run(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.head_address}/24", "dev", self.bridge])
+        # chosen and taken under a lock that every test run on the machine takes
+        with open(SUBNET_LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.subnet = _free_subnet(self.bridge)
+            self.addresses = {name: f"{self.subnet}.{i + 1}" for i, name in enumerate(self.names)}
+            self.head_address = f"{self.subnet}.254"
+            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{self.head_address}/24", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
         lines = ["127.0.0.1 localhost", *(f"{self.addresses[n]} {n}" for n in self.names)]
         (self.root / "hosts").write_text("\n".join(lines) + "\n")
         for name in self.names:
             ns = self.namespaces[name]
-            host_end, ns_end = f"{ns[-8:]}h", f"{ns[-8:]}n"
+            host_end, ns_end = self.veths[name]
             _run(["ip", "netns", "add", ns])
             _run(["ip", "link", "add", host_end, "type", "veth", "peer", "name", ns_end])
             _run(["ip", "link", "set", host_end, "master", self.bridge, "up"])
@@ -223,6 +241,23 @@ class SshHosts:
                 return left
             time.sleep(0.1)
 
+    def crash(self, name: str) -> List[int]:
+        """Kill (SIGKILL) every process of `name` but its listening sshd, as a host that dies
+        takes its sessions and jobs with it: its kernel closes their connections. The pids
+        killed (all started through this host's sshd)."""
+        pids = self.processes(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        return pids
+
+    def cut(self, name: str, up: bool = False) -> None:
+        """Take `name`'s link to the others down (`up`: back up), as a network cut: nothing
+        reaches either side, and no connection is closed."""
+        _run(["ip", "link", "set", self.veths[name][0], "up" if up else "down"])
+
     # -- tear-down ----------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -252,6 +287,20 @@ class SshHosts:
         for ns in self.namespaces.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _free_subnet(seed: str) -> str:
+    """A 10.100-149.x /24 that no interface of the machine has an address in (the first free
+    one from a place `seed` picks); under SUBNET_LOCK, which the caller holds."""
+    listed = _run(["ip", "-o", "-4", "addr", "show"])
+    used = {word.rsplit(".", 1)[0] for word in listed.split() if word.startswith("10.") and "/" in word}
+    start = int(hashlib.sha1(seed.encode()).hexdigest()[:8], 16)
+    for step in range(50 * 256):
+        spot = (start + step) % (50 * 256)
+        subnet = f"10.{100 + spot // 256}.{spot % 256}"
+        if subnet not in used:
+            return subnet
+    raise RuntimeError("no free 10.100-149.x subnet for the ssh hosts")
 
 
 def _alive(pid: int) -> bool:

@@ -12,10 +12,12 @@ from torch.distributed.run import get_args_parser
 from hydra_plugins.hydra_torchrun_launcher._launcher.resume import fingerprint
 from hydra_plugins.hydra_torchrun_launcher.config import (
     SLURM_KEYS,
+    SSH_KEYS,
     TORCHRUN_FLAGS,
     PerJobConf,
     TorchrunLauncherConf,
     TorchrunSlurmLauncherConf,
+    TorchrunSshLauncherConf,
     described,
 )
 
@@ -87,8 +89,20 @@ def test_the_slurm_launcher_has_submitits_keys_first_then_the_per_job_keys() -> 
     assert TorchrunSlurmLauncherConf._target_.endswith(".TorchrunSlurmLauncher")
 
 
+def test_the_ssh_launcher_has_its_hosts_keys_first_then_the_per_job_keys() -> None:
+    names = [f.name for f in dataclasses.fields(TorchrunSshLauncherConf)]
+    per_job = [key for key, alone in described("per_job").items() if alone]
+    assert names == ["_target_", *SSH_KEYS, *per_job]
+    assert TorchrunSshLauncherConf._target_.endswith(".TorchrunSshLauncher")
+
+
 @pytest.mark.parametrize(
-    "name, conf", [("torchrun", TorchrunLauncherConf), ("torchrun_slurm", TorchrunSlurmLauncherConf)]
+    "name, conf",
+    [
+        ("torchrun", TorchrunLauncherConf),
+        ("torchrun_slurm", TorchrunSlurmLauncherConf),
+        ("torchrun_ssh", TorchrunSshLauncherConf),
+    ],
 )
 def test_a_launchers_config_is_made_when_hydra_loads_it_from_its_dataclass(name: str, conf: type) -> None:
     """Plugin discovery stores every launcher's config on every run of every app: with the

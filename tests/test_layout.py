@@ -35,6 +35,7 @@ HEIGHT = {
     # the launcher process when it runs each job on hosts over ssh (beside `_launcher`, whose
     # composing, checking and record it reuses), and the agent each host runs for the sweep,
     # which starts that host's warm server
+    "_ssh": 4,
     "_server": 3,
     "_job": 2,
     "_rank": 1,
@@ -147,7 +148,7 @@ DRIVER_INTERNALS = {
 
 
 # the runners beside the local one, each a folder of its own
-RUNNER_FOLDERS = {"_submit"}
+RUNNER_FOLDERS = {"_submit", "_ssh"}
 
 
 def test_a_runner_uses_the_drivers_interface_not_its_internals() -> None:

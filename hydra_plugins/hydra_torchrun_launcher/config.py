@@ -1,4 +1,5 @@
-"""Structured config of `hydra/launcher=torchrun` and `hydra/launcher=torchrun_slurm`.
+"""Structured config of `hydra/launcher=torchrun`, `hydra/launcher=torchrun_slurm` and
+`hydra/launcher=torchrun_ssh`.
 
 Hydra imports this module on every run of every app (plugin discovery), so it must stay
 cheap: dataclasses and the ConfigStore only, never torch. The keys mirror torchrun's flags
@@ -345,3 +346,47 @@ class TorchrunSlurmLauncherConf(PerJobConf, _SlurmQueueConf):
 
 
 _store("torchrun_slurm", TorchrunSlurmLauncherConf)
+
+
+@dataclass(init=False, repr=False, eq=False)
+class _SshHostsConf:
+    """The hosts of `hydra/launcher=torchrun_ssh` and how ssh reaches them."""
+
+    _target_: str = "hydra_plugins.hydra_torchrun_launcher.torchrun_launcher.TorchrunSshLauncher"
+    # host names as ssh knows them (its config's Host aliases too)
+    hosts: List[str] = field(default_factory=list)
+    # or a file of hosts, one a line; DeepSpeed's `host slots=N` (N devices the jobs there
+    # share out; a host without slots runs one job at a time); `#` starts a comment
+    hostfile: Optional[str] = None
+    # hosts per job; its nodes meet in a c10d rendezvous on its first host
+    nodes: int = 1
+    # how many jobs run at once; null: as many as the hosts hold
+    parallel_jobs: Optional[int] = None
+    # more ssh arguments, after the launcher's own (-T -o BatchMode=yes): [-F, ssh_config]
+    ssh_options: List[str] = field(default_factory=list)
+    # the interpreter on the hosts; null: this one's path
+    python: Optional[str] = None
+    # the head's variables the ranks get (names, PREFIX* patterns), besides every env_set key
+    env_forward: List[str] = field(
+        default_factory=lambda: [
+            *("NCCL_*", "CUDA_*", "PYTHON*", "OMP_*", "HF_*", "WANDB_*", "TORCH_*", "UCX_*", "FI_*")
+        ]
+    )
+
+
+# the keys of TorchrunSshLauncherConf that are the hosts'; the others are the torchrun
+# launcher's own, with the same meaning there
+SSH_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SshHostsConf) if f.name != "_target_")
+
+
+# no __repr__ or __eq__ of its fields, as the SLURM conf: their code costs discovery
+@dataclass(repr=False, eq=False)
+class TorchrunSshLauncherConf(PerJobConf, _SshHostsConf):
+    """`hydra/launcher=torchrun_ssh`: the sweep's jobs on a few hosts over ssh, no scheduler.
+
+    The hosts' keys (`_SshHostsConf`), then the torchrun launcher's keys that a job has on
+    its own (`PerJobConf`): `nodes` stands for `nnodes`.
+    """
+
+
+_store("torchrun_ssh", TorchrunSshLauncherConf)

@@ -106,3 +106,17 @@ class TorchrunSlurmLauncher(TorchrunLauncher):
         from ._submit.slurm_runner import SlurmRunner
 
         return driver.launch(self, job_overrides, initial_job_idx, SlurmRunner(self))
+
+
+class TorchrunSshLauncher(TorchrunLauncher):
+    """`hydra/launcher=torchrun_ssh`: every sweep job on `nodes` of a few hosts, over ssh,
+    each host's agent started once for the sweep (`_ssh.ssh_runner`)."""
+
+    # each host's agent starts a warm server of its own there
+    uses_warm_server = False
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from ._launcher import driver
+        from ._ssh.ssh_runner import SshRunner
+
+        return driver.launch(self, job_overrides, initial_job_idx, SshRunner(self))

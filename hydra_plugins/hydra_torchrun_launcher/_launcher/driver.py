@@ -50,7 +50,7 @@ from .resume import (
     targets_digest,
     task_digest,
 )
-from .runner import Runner, SweepDetached
+from .runner import Placement, Runner, SweepDetached
 from .settings import shadowed_redirects
 from .shared_dir import publish_decision, take_decision
 from .task import app_script, pickle_task
@@ -358,11 +358,16 @@ class _Launch:
     # -- JobEvents: what the runner tells of its jobs ---------------------------------------
 
     def request(
-        self, plan: JobPlan, devices: Optional[List[str]], environ: Dict[str, str], ignored_signals: List[int]
+        self,
+        plan: JobPlan,
+        devices: Optional[List[str]],
+        environ: Dict[str, str],
+        ignored_signals: List[int],
+        placed: Optional[Placement] = None,
     ) -> bytes:
         config = self.configs.pop(plan.idx)  # kept no longer than needed: a sweep may hold thousands
         if self.writes:
-            write_rerun_script(plan, config, devices)
+            write_rerun_script(plan, config, devices, placed)
         if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
             (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
         assert self.launcher.hydra_context is not None

@@ -31,6 +31,7 @@ from .._shared.plan import JobPlan
 from .._shared.torchrun_cli import read_from_pet_variables, torchrun_options
 from ..config import TORCHRUN_FLAGS
 from .resume import PlannedResumption
+from .runner import Placement
 
 RERUN_SCRIPT = "rerun.sh"
 _BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -186,14 +187,22 @@ def _what_runs(plan: JobPlan, config: DictConfig) -> List[str]:
     return script + app_args
 
 
-def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> str:
-    """`rerun.sh` of a job: a one-job sweep of it, with its plain torchrun form in the header."""
+def rerun_script(
+    plan: JobPlan, config: DictConfig, devices: Optional[List[str]], placed: Optional[Placement] = None
+) -> str:
+    """`rerun.sh` of a job: a one-job sweep of it, with its plain torchrun form in the header;
+    on its `devices`, or where `placed` says (a runner's own overrides: the hosts it ran on)."""
     overrides = _without(_hydra_overrides(config), _RERUN_DROPS)
     if OmegaConf.select(config, "hydra.sweeper._target_") != _BASIC_SWEEPER:
         # one job, whatever the sweep's sweeper would have made of these overrides
         overrides = _without(overrides, ("hydra/sweeper", "hydra.sweeper.")) + ["hydra/sweeper=basic"]
-    if devices is not None:
+    if placed is not None:
+        where = [f"{placed.where},"]
+    elif devices is not None:
+        where = []
         overrides.append(f"hydra.launcher.devices=[{','.join(devices)}]")
+    else:
+        where = []
     rerun_dir = _hydra_value(os.path.join(str(plan.output_dir), "rerun_"), "${now:%Y-%m-%d_%H-%M-%S}")
     command = [
         *app_command(),
@@ -201,6 +210,7 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
         "--multirun",
         *overrides,
         *plan.overrides,
+        *(placed.overrides if placed is not None else ()),
         f"hydra.sweep.dir={rerun_dir}",
         # a new dir: there is no record to resume, whatever the sweep's resume said
         "hydra.launcher.resume=false",
@@ -209,6 +219,7 @@ def rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
     header = [
         f"Job #{plan.idx} of the sweep in {config.hydra.sweep.dir}: {_listed(plan.overrides)}",
         "Reruns it outside that sweep, as a sweep of this one job through the torchrun launcher,",
+        *where,
         "into rerun_<date>_<time>/ beside this script; arguments are more overrides:",
         f"    bash {shlex.quote(os.path.join(str(plan.output_dir), RERUN_SCRIPT))} [override ...]",
         "",
@@ -250,10 +261,12 @@ def plain_torchrun_line(
     return cd + " ".join(bash_word(word) for word in (["env", *shown] if shown else []) + command), missing
 
 
-def write_rerun_script(plan: JobPlan, config: DictConfig, devices: Optional[List[str]]) -> None:
+def write_rerun_script(
+    plan: JobPlan, config: DictConfig, devices: Optional[List[str]], placed: Optional[Placement] = None
+) -> None:
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     path = plan.output_dir / RERUN_SCRIPT
-    path.write_text(rerun_script(plan, config, devices))
+    path.write_text(rerun_script(plan, config, devices, placed))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 

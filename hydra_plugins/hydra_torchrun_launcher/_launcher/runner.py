@@ -5,20 +5,30 @@ what resumes, records and reports what comes back, and ends on a stop signal. A 
 knows only how to run jobs somewhere: how a job's launcher config reads (its keys), the
 sweep-wide checks of its own, its dry run, and `run`: start the jobs' nodes, tell the
 driver as each starts and ends (`JobEvents`), and stop or cancel them on a stop signal. The
-local pool of job processes (`_launcher.local_runner`) and SLURM (`_submit.slurm_runner`)
-are the two runners; a new one (another scheduler, hosts over ssh) is one more class,
+local pool of job processes (`_launcher.local_runner`), SLURM (`_submit.slurm_runner`) and
+hosts over ssh (`_ssh.ssh_runner`) are the runners; a new one (another scheduler) is one more class,
 importing this module and the driver's public pieces, never the driver's internals.
 Models: submitit's Executor over one core, Hydra's joblib launcher (`_core.launch` owns the
 lifecycle).
 """
 
-from typing import Any, Dict, List, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig
 
 from .._shared.plan import JobPlan, JobSettings
 from .preempt import StopNotice
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a runner put a job, for its rerun.sh to run it there again: the overrides that
+    say so (after the sweep's and the job's own) and the words its header gives them."""
+
+    overrides: Tuple[str, ...]
+    where: str
 
 
 class SweepDetached(Exception):
@@ -41,11 +51,17 @@ class JobEvents(Protocol):
     """What a runner tells the driver as its jobs go (the driver records and reports it)."""
 
     def request(
-        self, plan: JobPlan, devices: Optional[List[str]], environ: Dict[str, str], ignored_signals: List[int]
+        self,
+        plan: JobPlan,
+        devices: Optional[List[str]],
+        environ: Dict[str, str],
+        ignored_signals: List[int],
+        placed: Optional[Placement] = None,
     ) -> bytes:
         """The job process's encoded request, made just before the job is handed to its nodes
         (the launcher's state as it is now); its rerun.sh is written and an earlier run's
-        mark of its ranks cleared (unless it continues in its job dir)."""
+        mark of its ranks cleared (unless it continues in its job dir). `placed`: where the
+        runner put the job, for its rerun.sh to run it there again (None: on `devices`)."""
 
     def started(self, plan: JobPlan, detail: Optional[str]) -> None:
         """The job is handed to its nodes, or taken back from an earlier run: its time counts

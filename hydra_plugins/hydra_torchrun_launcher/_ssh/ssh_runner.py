@@ -1,0 +1,512 @@
+"""The ssh runner of `hydra/launcher=torchrun_ssh`: the sweep's jobs on a few hosts, no scheduler.
+
+The sweep driver (`_launcher.driver`) composes and checks the jobs and keeps the record, as
+for the other runners; this runner starts one agent per host over ssh (`_ssh.head`,
+`_ssh.agent`) and waits until every one is ready (torch imported there) or names in one
+line each host that cannot run it, with ssh's own reason, before any rank starts. Then it
+packs the jobs onto free hosts (`nodes` hosts each, up to `parallel_jobs` at once; a host
+with `slots` holds jobs while their ranks fit its devices, one without holds one job at a
+time), each job's nodes meeting in a c10d rendezvous on its first host. A node's end comes
+back with its JobReturn and job dir files, written into the head's sweep dir. A node that
+fails stops its job's other nodes (their ranks would wait for it in a collective); the
+job's error is the first failure's. A host lost mid-sweep fails the jobs that ran there,
+naming it, and the sweep goes on on the others.
+
+Ctrl-C or SIGTERM on the head is passed on to every job process on every host (torch's
+shutdown path stops their ranks); a second one kills them. The stop signal (a preemption
+notice) reaches every job the same way, so `should_stop()` agrees on all hosts.
+"""
+
+import dataclasses
+import hashlib
+import logging
+import os
+import re
+import selectors
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import cloudpickle
+from hydra.core.utils import JobReturn, JobStatus
+from omegaconf import DictConfig
+
+from .._job.failures import JobFailedError
+from .._job.launch_config import check_supported
+from .._job.preempt import JobPreempted
+from .._launcher.cluster_layout import derived_port
+from .._launcher.preempt import StopNotice, SweepStopped, sweep_notice, sweep_stop_signal
+from .._launcher.preload import preload_modules, varying_variables
+from .._launcher.runner import JobEvents, JobFeed, Placement
+from .._shared.errors import LauncherConfigError
+from .._shared.paths import shown_path
+from .._shared.plan import JobPlan, JobSettings, Rendezvous
+from .._shared.signals import group_signals, handled_by
+from .head import HostAgent, ssh_command
+from .hosts import Host, forwarded
+from .nodes import node_request
+from .options import SWEEP_WIDE, SshOptions, split_launcher_config
+from .wire import HEARTBEAT_S, SILENCE_S
+
+log = logging.getLogger(__name__)
+
+# after its job_timeout, how long a job process may take beyond its ranks' shutdown
+_STOP_MARGIN_S = 30.0
+
+
+class SshRunner:
+    """`hydra/launcher=torchrun_ssh`'s runner (`_launcher.runner.Runner`)."""
+
+    def __init__(self, launcher: Any) -> None:
+        self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+        self.notice: Optional[StopNotice] = sweep_notice(
+            launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
+        )
+        launcher.notice = self.notice
+        # what each host's warm server imports besides torch: what the app has imported here
+        self.preload = preload_modules("auto")
+        self.options: Dict[int, SshOptions] = {}
+        self.stopped = ""
+
+    def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
+        settings, options = split_launcher_config(config.hydra.launcher, os.getcwd())
+        check_supported(settings)
+        self.options[int(config.hydra.job.num)] = options
+        return settings, None
+
+    def check_sweep(self, first: JobPlan) -> None:
+        self.first = self.options[first.idx]
+        self.first_plan = first
+        self.check_job(first)
+
+    def check_job(self, plan: JobPlan) -> None:
+        """The sweep-wide keys as the first job's; hosts with slots enough for its ranks."""
+        first, options = self.first, self.options[plan.idx]
+        for key, mine, theirs in zip(SWEEP_WIDE, options.sweep_wide, first.sweep_wide):
+            if mine != theirs:
+                raise LauncherConfigError(
+                    f"hydra.launcher.{key} differs from the first job's (job {plan.idx}): "
+                    "it applies to the whole sweep and must be the same for every job"
+                )
+        fitting = [h for h in first.hosts if h.slots is None or h.slots >= plan.nproc]
+        if len(fitting) < options.nodes:
+            slots = ", ".join(f"{h.name} slots={h.slots}" for h in first.hosts if h.slots is not None)
+            raise LauncherConfigError(
+                f"hydra.launcher.nproc_per_node={plan.nproc} (job {plan.idx}) needs {options.nodes} host(s) "
+                f"with that many slots; the hostfile gives {slots}"
+            )
+        if _at_once(first) > 1 or options.nodes > 1:
+            plan.console_label = f"#{plan.idx} "
+
+    def launchers_sharing_dir(self, first: JobPlan) -> int:
+        return 1  # the head alone keeps the sweep dir; the hosts send their files back
+
+    def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
+        first = self.options[plans[0].idx]
+        from_record = recorded.in_header("not started")
+        hosts = ", ".join(h.name if h.slots is None else f"{h.name} (slots={h.slots})" for h in first.hosts)
+        agent = ssh_command(Host("HOST"), first.ssh_options, first.python, os.getcwd())
+        lines = [
+            f"Dry run: {len(plans)} jobs on the hosts {hosts}, up to {_at_once(first)} at once"
+            f"{from_record}; nothing is started",
+            f"\teach host's agent: {' '.join(agent)}",
+        ]
+        for plan in plans:
+            options = self.options[plan.idx]
+            conf = plan.settings.conf
+            lines += [
+                f"\t#{plan.idx} : {' '.join(plan.overrides)}",
+                *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
+                f"\t\tjob dir: {plan.output_dir}",
+                f"\t\tranks:   {plan.nproc} per host x {options.nodes} host(s), {conf.start_method}"
+                + (", c10d rendezvous on the job's first host" if options.nodes > 1 else ""),
+            ]
+        return "\n".join(lines)
+
+    def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
+        assert self.notice is not None
+        if self.notice.received:
+            return {}
+        count = jobs.left()
+        sweep = _Sweep(self, jobs, events)
+        try:
+            with handled_by(sweep.stop, [sig for sig in group_signals() if sig != self.notice.signum]):
+                sweep.start_agents()
+                log.info(
+                    f"Launching {count} jobs on {len(sweep.hosts)} host(s) "
+                    f"({', '.join(state.host.name for state in sweep.hosts)}) "
+                    f"into {shown_path(str(self.sweep_dir))}"
+                )
+                return sweep.run()
+        except SweepStopped:
+            self.stopped = sweep.stopped_words()
+            raise
+        finally:
+            self.notice.forward = lambda signum: None
+            sweep.close()
+
+    def stopped_words(self) -> str:
+        return self.stopped
+
+
+def _at_once(options: SshOptions) -> int:
+    """How many jobs may run at once: parallel_jobs, else as many as the hosts hold."""
+    hold = sum(h.slots if h.slots is not None else 1 for h in options.hosts)
+    return min(options.parallel_jobs or hold, hold)
+
+
+@dataclass
+class _HostState:
+    host: Host
+    agent: HostAgent
+    # the host's free devices (slots), or None: one job at a time
+    free: Optional[List[str]]
+    jobs: Set[int] = field(default_factory=set)
+
+    def fits(self, nproc: int) -> bool:
+        if self.agent.lost is not None:
+            return False
+        return len(self.free) >= nproc if self.free is not None else not self.jobs
+
+    def take(self, idx: int, nproc: int) -> Optional[List[str]]:
+        self.jobs.add(idx)
+        if self.free is None:
+            return None
+        taken, self.free = self.free[:nproc], self.free[nproc:]
+        return taken
+
+    def give_back(self, idx: int, devices: Optional[List[str]]) -> None:
+        self.jobs.discard(idx)
+        if self.free is not None and devices:
+            self.free = sorted(self.free + devices, key=int)
+
+
+@dataclass
+class _Running:
+    plan: JobPlan
+    hosts: List[_HostState]
+    devices: List[Optional[List[str]]]
+    open_nodes: Set[int]
+    returns: Dict[int, JobReturn] = field(default_factory=dict)
+    # the first node that failed, and its JobReturn
+    failed: Optional[Tuple[int, JobReturn]] = None
+
+
+class _Sweep:
+    """One launch's jobs on the hosts: agents started, jobs placed, ends collected."""
+
+    def __init__(self, runner: SshRunner, jobs: JobFeed, events: JobEvents) -> None:
+        self.runner = runner
+        self.events = events
+        self.jobs = jobs
+        self.options = runner.options
+        self.first = runner.first
+        self.hosts: List[_HostState] = []
+        self.selector = selectors.DefaultSelector()
+        self.running: Dict[int, _Running] = {}
+        self.returns: Dict[int, JobReturn] = {}
+        self.signum: Optional[int] = None
+        self.run_tag = hashlib.sha1(f"{runner.sweep_dir.resolve()}:{time.time()}".encode()).hexdigest()[:12]
+
+    # -- signals --------------------------------------------------------------------------
+
+    def stop(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._signal_all(signum)
+        else:  # a second stop: no more waiting for the ranks' graceful shutdown
+            self._signal_all(signal.SIGKILL)
+
+    def _signal_all(self, signum: int) -> None:
+        for state in self.hosts:
+            if state.jobs:
+                state.agent.send(("signal", signum, None))
+
+    def stopped_words(self) -> str:
+        hosts = ", ".join(state.host.name for state in self.hosts)
+        return f"the sweep was stopped on every host ({hosts}): " if hosts else "the sweep was stopped: "
+
+    # -- agents ---------------------------------------------------------------------------
+
+    def start_agents(self) -> None:
+        """Every host's agent started and ready, or one line naming those that are not."""
+        setup = {
+            "sys_path": list(sys.path),
+            "preload": list(self.runner.preload),
+            "varying": sorted(varying_variables([self.runner.first_plan])),
+            "heartbeat_s": HEARTBEAT_S,
+            "silence_s": SILENCE_S,
+        }
+        cwd = os.getcwd()
+        for host in self.first.hosts:
+            command = ssh_command(host, self.first.ssh_options, self.first.python, cwd)
+            agent = HostAgent(host, command, setup)
+            free = [str(i) for i in range(host.slots)] if host.slots is not None else None
+            state = _HostState(host, agent, free)
+            self.hosts.append(state)
+            self.selector.register(agent.stdout, selectors.EVENT_READ, (state, "out"))
+            self.selector.register(agent.stderr, selectors.EVENT_READ, (state, "err"))
+        waiting = list(self.hosts)
+        while any(s.agent.ready is None and s.agent.lost is None for s in waiting):
+            if self.signum is not None:
+                raise SweepStopped(self.signum)
+            self._pump(timeout=None)
+        failed = [s for s in self.hosts if s.agent.ready is None]
+        if failed:
+            named = "; ".join(f"{s.host.name}: {s.agent.lost}" for s in failed)
+            raise LauncherConfigError(
+                f"hydra/launcher=torchrun_ssh: no job started: the launcher's agent cannot run on "
+                f"{len(failed)} of the {len(self.hosts)} host(s): {named}"
+            )
+        assert self.runner.notice is not None
+        self.runner.notice.forward = self._signal_all
+
+    def _pump(self, timeout: Optional[float]) -> None:
+        """Read what the agents sent; act on it."""
+        for key, _ in self.selector.select(timeout=timeout):
+            state, stream = key.data
+            agent = state.agent
+            if stream == "err":
+                agent.read_stderr()
+                if not agent.stderr_open:
+                    self.selector.unregister(agent.stderr)
+                    self._maybe_lost(state)
+                continue
+            for message in agent.read_stdout():
+                self._handle(state, message)
+            if not agent.stdout_open:
+                self.selector.unregister(agent.stdout)
+                self._maybe_lost(state)
+
+    def _maybe_lost(self, state: _HostState) -> None:
+        """Once both of its streams have ended, the host is gone: its jobs fail, naming it."""
+        agent = state.agent
+        if agent.stdout_open or agent.stderr_open:
+            return
+        if agent.lost is None:
+            agent.lost = agent.reason()
+        if agent.ready is None:
+            return  # named in the start-up's one line
+        for idx in sorted(state.jobs):
+            running = self.running[idx]
+            node = running.hosts.index(state)
+            why = f"host {state.host.name} was lost: {agent.lost}"
+            if self.signum is None:
+                log.warning(f"job #{idx}: {why}; the sweep goes on on the other hosts")
+            self._node_ended(running, node, _failure(why, running.plan))
+        state.jobs.clear()
+
+    def _heartbeat(self) -> None:
+        """Tell each live agent the head is alive; an agent silent too long is lost (its ssh
+        killed: its streams' end fails its jobs, naming the host)."""
+        now = time.monotonic()
+        for state in self.hosts:
+            agent = state.agent
+            if agent.silent(now):
+                log.warning(f"host {state.host.name}: {agent.lost}")
+            elif agent.ready is not None and now - agent.said >= HEARTBEAT_S:
+                agent.send(("ping",))
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def run(self) -> Dict[int, JobReturn]:
+        notice = self.runner.notice
+        assert notice is not None
+        limit = _at_once(self.first)
+        upcoming = self.jobs.next()  # composed ahead of its hosts
+        while upcoming is not None or self.running:
+            starting = self.signum is None and not notice.received
+            while upcoming is not None and starting and len(self.running) < limit:
+                nodes = self.options[upcoming.idx].nodes
+                free = [s for s in self.hosts if s.fits(upcoming.nproc)]
+                if len(free) < nodes and not self.running:  # the hosts lost: no host left can take it
+                    alive = [s.host.name for s in self.hosts if s.agent.lost is None]
+                    lost = ", ".join(s.host.name for s in self.hosts if s.agent.lost is not None)
+                    self.events.started(upcoming, None)
+                    left = ", ".join(alive) or "none"
+                    why = f"it needs {nodes} host(s); the hosts left ({left}) cannot take it (lost: {lost})"
+                    self._end(upcoming, _failure(why, upcoming))
+                    upcoming = self.jobs.next()
+                    continue
+                if len(free) < nodes:
+                    break
+                self._start(upcoming, free[:nodes])
+                upcoming = self.jobs.next()
+            if not self.running:
+                break
+            self._pump(timeout=HEARTBEAT_S)
+            self._heartbeat()
+        if self.signum is not None:
+            raise SweepStopped(self.signum)
+        return self.returns
+
+    def _start(self, plan: JobPlan, hosts: List[_HostState]) -> None:
+        options = self.options[plan.idx]
+        devices = [state.take(plan.idx, plan.nproc) for state in hosts]
+        environs = [
+            {**state.agent.ready["environ"], **forwarded(options.env_forward, plan.env_set, os.environ)}  # type: ignore[index]
+            for state in hosts
+        ]
+        first = plan
+        if len(hosts) > 1:
+            run = f"ssh-{self.run_tag}-{plan.idx}"
+            endpoint = f"{hosts[0].agent.hostname}:{derived_port(run)}"
+            conf = dataclasses.replace(plan.settings.conf, node_rank=0, rdzv_endpoint=endpoint)
+            first = dataclasses.replace(
+                plan,
+                settings=dataclasses.replace(plan.settings, conf=conf),
+                rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
+            )
+        request = self.events.request(first, devices[0], environs[0], [], _placement(hosts, devices))
+        where = ", ".join(
+            state.host.name + (f" (devices {','.join(d)})" if d else "") for state, d in zip(hosts, devices)
+        )
+        self.events.started(plan, f" on {where}")
+        running = _Running(plan, hosts, devices, set(range(len(hosts))))
+        self.running[plan.idx] = running
+        limit = _hard_limit_s(plan)
+        for node, state in enumerate(hosts):
+            node_bytes = request if node == 0 else node_request(request, node, environs[node], devices[node])
+            sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
+            if not sent:  # lost as the job started: its loss fails the job when seen
+                continue
+        # a stop that came as it started reaches it too
+        if self.signum is not None:
+            self._signal_job(running, self.signum)
+
+    def _signal_job(self, running: _Running, signum: int, nodes: Optional[Set[int]] = None) -> None:
+        for node in sorted(running.open_nodes if nodes is None else nodes):
+            running.hosts[node].agent.send(("signal", signum, [(running.plan.idx, node)]))
+
+    def _handle(self, state: _HostState, message: Any) -> None:
+        kind = message[0]
+        if kind != "ended":
+            raise ValueError(f"unknown message from {state.host.name}'s agent: {kind!r}")
+        _, (idx, node), result, status, pid, files, left = message
+        running = self.running.get(idx)
+        if running is None or node not in running.open_nodes:
+            return
+        plan = running.plan
+        _write_back(plan.output_dir, files, first=node == 0)
+        if left:
+            shown = ", ".join(f"{path} ({size >> 20} MiB)" for path, size in left)
+            log.info(
+                f"job #{idx}: files of its job dir left on {state.host.name} (too large to send back): "
+                f"{shown}"
+            )
+        if result is not None:
+            try:
+                job_return = cloudpickle.loads(result)
+            except Exception as e:  # a result that cannot be read is the job's failure, said so
+                job_return = _failure(f"its result from {state.host.name} could not be read: {e}", plan)
+        else:
+            job_return = _failure(
+                f"the job's process (pid {pid} on {state.host.name}) {_how(status)} "
+                "before reporting a result",
+                plan,
+            )
+        self._node_ended(running, node, job_return)
+
+    def _node_ended(self, running: _Running, node: int, job_return: JobReturn) -> None:
+        running.open_nodes.discard(node)
+        running.returns[node] = job_return
+        state = running.hosts[node]
+        state.give_back(running.plan.idx, running.devices[node])
+        value = job_return._return_value
+        if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
+            if running.failed is None:
+                running.failed = (node, job_return)
+                # the job's other nodes would wait for the failed rank in a collective
+                self._signal_job(running, signal.SIGTERM)
+        if running.open_nodes:
+            return
+        del self.running[running.plan.idx]
+        self._end(
+            running.plan,
+            _job_return(running),
+        )
+
+    def _end(self, plan: JobPlan, job_return: JobReturn) -> None:
+        if job_return.overrides is None:
+            job_return.overrides = list(plan.overrides)
+        self.returns[plan.idx] = job_return
+        self.events.ended(plan, job_return, self.signum is not None)
+
+    def close(self) -> None:
+        """End every agent's session (its agent ends with it) and wait for them."""
+        for state in self.hosts:
+            state.agent.close()
+        self.selector.close()
+
+
+def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> Placement:
+    """The job's hosts, in order (its rendezvous on the first), for its rerun.sh: a one-job
+    sweep on them, whatever hosts the sweep had; the devices it had on hosts with slots,
+    where every host gave it the same ones (else each host's are all visible to it)."""
+    names = [state.host.name for state in hosts]
+    quoted = [name if re.fullmatch(r"[A-Za-z0-9_.@:-]+", name) else f"'{name}'" for name in names]
+    overrides = [f"hydra.launcher.hosts=[{','.join(quoted)}]", "hydra.launcher.hostfile=null"]
+    where = f"on the hosts it ran on ({', '.join(names)})"
+    shares = {",".join(d) for d in devices if d is not None}
+    if len(shares) == 1 and all(d is not None for d in devices):
+        (share,) = shares
+        overrides.append(f"++hydra.job.env_set.CUDA_VISIBLE_DEVICES='{share}'")
+        where += f", devices {share}"
+    elif shares:
+        where += " (all of each host's devices: they had different ones)"
+    return Placement(tuple(overrides), where)
+
+
+def _job_return(running: _Running) -> JobReturn:
+    """The job's JobReturn: its first node's, with the error of the node that failed first."""
+    first = running.returns.get(0)
+    if running.failed is None:
+        assert first is not None
+        return first
+    node, failed = running.failed
+    if node == 0 or first is None:
+        return failed
+    job_return = dataclasses.replace(first, status=JobStatus.FAILED)
+    job_return.return_value = failed._return_value
+    return job_return
+
+
+def _write_back(job_dir: Path, files: List[Tuple[str, bytes, int]], first: bool) -> None:
+    """A node's job dir files into the head's: the first node's win; another node's are
+    added where the first's has none. A file already there with the same bytes (a shared
+    sweep dir) is left alone."""
+    for relative, data, mode in files:
+        if os.path.isabs(relative) or ".." in Path(relative).parts:
+            continue
+        target = job_dir / relative
+        if target.exists():
+            if not first or (target.stat().st_size == len(data) and target.read_bytes() == data):
+                continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        os.chmod(target, mode)
+
+
+def _how(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"
+
+
+def _failure(message: str, plan: JobPlan) -> JobReturn:
+    failed = JobReturn(status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(message)
+    failed.overrides = list(plan.overrides)
+    return failed
+
+
+def _hard_limit_s(plan: JobPlan) -> Optional[float]:
+    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
+    conf = plan.settings.conf
+    if conf.job_timeout is None:
+        return None
+    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S

@@ -1,0 +1,506 @@
+"""`hydra/launcher=torchrun_ssh` on real OpenSSH servers: hosts in network namespaces on this machine.
+
+The sweep is started on the head (this machine's own namespace), as a user starts it on a
+workstation: each host's sshd (Debian's `openssh-server`, `tests/ssh_hosts.py`) starts the
+launcher's agent there, which runs the jobs' nodes. The ssh config, keys and known hosts are
+the test's, passed as a user's own file (`ssh_options=[-F,<file>]`). The tests read what a
+user reads: the console, the sweep's files, and what still runs on each host. They skip
+where hosts cannot run (not root, no sshd) and fail there under REQUIRE_SLURM=1 (CI).
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import psutil
+import pytest
+
+import hydra_plugins.hydra_torchrun_launcher
+from hydra_plugins.hydra_torchrun_launcher._ssh.hosts import Host, forwarded, parse_hostfile
+from hydra_plugins.hydra_torchrun_launcher._ssh.wire import SILENCE_S
+from tests.conftest import kill_tree
+from tests.slurm_cluster import skip_or_fail
+from tests.ssh_hosts import SshHosts, unavailable
+
+APP_DIR = Path(__file__).parent / "submit_app"
+SWEEP_TIMEOUT_S = 240
+# the package's own directory: hidden on a host, the host lacks the package
+PACKAGE_ROOT = Path(hydra_plugins.hydra_torchrun_launcher.__file__).parents[1]
+
+pytestmark = pytest.mark.timeout(600)
+
+# an app that says what its ranks see of the environment
+ENV_APP = """
+import os
+import socket
+import hydra
+import torch.distributed as dist
+from held_gather import all_gather_held
+
+VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+
+
+@hydra.main(**VERSION_BASE, config_path=".", config_name="config")
+def main(cfg):
+    dist.init_process_group("gloo")
+    names = ("HTL_FORWARDED", "HTL_NOT_FORWARDED", "JOB_TAG", "CUDA_VISIBLE_DEVICES", "SSH_CONNECTION")
+    seen = all_gather_held({"host": socket.gethostname(), **{name: os.environ.get(name) for name in names}})
+    dist.destroy_process_group()
+    return seen
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.fixture
+def app_dir(tmp_path: Path) -> Path:
+    target = tmp_path / "app"
+    shutil.copytree(APP_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(Path(__file__).parent / "multinode_apps" / "held_gather.py", target)
+    (target / "env_app.py").write_text(ENV_APP)
+    return target
+
+
+def _hosts(tmp_path: Path, hidden: "Dict[str, List[str]] | None" = None) -> SshHosts:
+    skip_or_fail(unavailable())
+    return SshHosts(tmp_path, ["host1", "host2"], hidden)
+
+
+@pytest.fixture
+def hosts(tmp_path: Path) -> Iterator[SshHosts]:
+    with _hosts(tmp_path) as running:
+        yield running
+
+
+def _command(hosts: SshHosts, *overrides: str, app: str = "app.py") -> List[str]:
+    return [
+        sys.executable,
+        app,
+        "--multirun",
+        "hydra/launcher=torchrun_ssh",
+        "hydra.sweep.dir=sweep",
+        f"hydra.launcher.ssh_options={hosts.ssh_options()}",
+        *overrides,
+    ]
+
+
+def _sweep(hosts: SshHosts, app_dir: Path, *overrides: str, app: str = "app.py", env=None):  # type: ignore[no-untyped-def]
+    return subprocess.run(
+        _command(hosts, *overrides, app=app),
+        cwd=app_dir,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+        env=env,
+    )
+
+
+def _summary(app_dir: Path) -> dict:
+    return {
+        job["num"]: job for job in json.loads((app_dir / "sweep" / "sweep_summary.json").read_text())["jobs"]
+    }
+
+
+def _nothing_left(hosts: SshHosts) -> None:
+    left = hosts.wait_no_processes()
+    assert not left, f"processes left on the hosts: {left}"
+
+
+def test_two_host_jobs_run_their_ranks_on_both_hosts_with_values_in_order(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "x=1,2",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    for n in range(2):
+        value = jobs[n]["return_value"]
+        assert jobs[n]["status"] == "COMPLETED", output
+        assert value["x"] == n + 1 and value["world"] == 4 and value["hosts"] == ["host1", "host2"], value
+        assert value["ranks_saw"] == [
+            {"rank_at_import": str(rank), "job_tag": f"job_{n}", "in_job_dir": True} for rank in range(4)
+        ], value
+        # Hydra's bookkeeping once per job, on its first host
+        assert (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split() == ["host1"]
+        assert (app_dir / "sweep" / str(n) / ".hydra" / "config.yaml").exists()
+    assert "#0 : x=1 on host1, host2" in output, output
+    # the ranks' own lines reach the head's console
+    assert "rank 3/4 on host2 x=2" in output, output
+    _nothing_left(hosts)
+
+
+def test_one_host_jobs_are_packed_on_both_hosts_at_once(hosts: SshHosts, app_dir: Path) -> None:
+    result = _sweep(
+        hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "steps=5", "step_s=0.2", "x=1,2,3,4"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["return_value"]["x"] for n in range(4)] == [1, 2, 3, 4], output
+    assert {tuple(jobs[n]["return_value"]["hosts"]) for n in range(4)} == {("host1",), ("host2",)}, output
+    # the first two started together, one on each host, before either ended
+    lines = output.splitlines()
+    first_end = next(i for i, line in enumerate(lines) if "job 1 of 4 ended" in line)
+    started = [line for line in lines[:first_end] if " x=1 on " in line or " x=2 on " in line]
+    assert len(started) == 2 and {line.split(" on ")[-1] for line in started} == {"host1", "host2"}, output
+    _nothing_left(hosts)
+
+
+def test_a_rank_failing_on_the_second_host_fails_its_job_with_its_own_error(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "fail_rank=1",
+        "fail_x=2",
+        "x=1,2,3",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(3)] == ["COMPLETED", "FAILED", "COMPLETED"], output
+    assert "rank 1 failed on purpose (x=2)" in jobs[1]["error"], jobs[1]
+    assert "ValueError: rank 1 failed on purpose (x=2)" in output, output
+    _nothing_left(hosts)
+
+
+def test_an_unreachable_host_is_named_with_ssh_s_reason_before_any_rank_starts(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1,unreachable]", "x=1,2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    lines = [line for line in output.splitlines() if "unreachable" in line]
+    assert len(lines) == 1, output
+    assert "cannot run on 1 of the 2 host(s): unreachable: ssh: connect to host" in lines[0], output
+    assert "Connection refused (exit status 255)" in lines[0], output
+    assert "rank 0" not in output and "Traceback" not in output, output
+    assert not (app_dir / "sweep" / "0" / ".hydra").exists()
+    _nothing_left(hosts)
+
+
+def test_a_host_without_the_package_is_named_before_any_rank_starts(tmp_path: Path, app_dir: Path) -> None:
+    with _hosts(tmp_path, hidden={"host2": [str(PACKAGE_ROOT)]}) as hosts:
+        result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "x=1")
+        output = result.stdout + result.stderr
+        assert result.returncode == 1, output
+        assert "cannot run on 1 of the 2 host(s): host2: " in output, output
+        assert "No module named" in output and "(exit status 1)" in output, output
+        assert "rank 0" not in output, output
+        _nothing_left(hosts)
+
+
+def test_a_sweep_dir_the_hosts_cannot_see_gets_their_files_back(tmp_path: Path, app_dir: Path) -> None:
+    sweep = app_dir / "sweep"
+    sweep.mkdir()
+    # each host sees an empty directory of its own there (a tmpfs in its mount namespace)
+    with _hosts(tmp_path, hidden={"host1": [str(sweep)], "host2": [str(sweep)]}) as hosts:
+        result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "hydra.launcher.nodes=2", "x=1")
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output
+        job = sweep / "0"
+        assert _summary(app_dir)[0]["return_value"]["world"] == 2
+        assert (job / ".hydra" / "config.yaml").exists() and (job / ".hydra" / "ranks_started").exists()
+        # each host's rank logs
+        logs = sorted(str(p.relative_to(job)) for p in job.rglob("stdout.log"))
+        assert [log.split("/")[1] for log in logs] == ["node0", "node1"], logs
+        assert (job / "job_starts.log").read_text().split() == ["host1"]
+        _nothing_left(hosts)
+
+
+def _start(hosts: SshHosts, app_dir: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        _command(hosts, *overrides),
+        cwd=app_dir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _end(head: subprocess.Popen) -> None:
+    kill_tree(head)
+    if head.stdout is not None:
+        head.stdout.close()
+
+
+def _read_until(process: subprocess.Popen, needles: List[str]) -> str:
+    """The head's output until every needle has shown (or the head ended)."""
+    seen = ""
+    deadline = time.monotonic() + SWEEP_TIMEOUT_S
+    assert process.stdout is not None
+    while not all(needle in seen for needle in needles):
+        line = process.stdout.readline()
+        assert line and time.monotonic() < deadline, f"the head ended or hung before {needles}: {seen}"
+        seen += line
+    return seen
+
+
+def test_ctrl_c_stops_every_rank_on_every_host_and_ends_in_one_line(hosts: SshHosts, app_dir: Path) -> None:
+    head = _start(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "steps=1000", "step_s=0.1", "x=1,2")
+    try:
+        seen = _read_until(head, ["rank 0 running x=1", "rank 0 running x=2"])
+        os.killpg(head.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    assert head.returncode == 130, output
+    stop_lines = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGINT")]
+    assert len(stop_lines) == 1 and "every host (host1, host2)" in stop_lines[0], output
+    assert "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
+def test_a_host_lost_mid_sweep_fails_its_job_naming_it_and_the_sweep_goes_on_on_the_other(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    # each job runs x steps: the second (on host2) runs until its host is lost
+    head = _start(
+        hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "step_s=0.1", "steps=${x}", "x=3,100000,4,5"
+    )
+    try:
+        seen = _read_until(head, ["x=100000 on host2", "rank 0 running x=100000"])
+        assert hosts.crash("host2")
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    assert head.returncode == 1, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(4)] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], output
+    assert jobs[1]["error"].startswith("host host2 was lost: "), jobs[1]
+    assert [jobs[n]["return_value"]["hosts"] for n in (2, 3)] == [["host1"], ["host1"]], output
+    lost = [line for line in output.splitlines() if "host2 was lost" in line]
+    assert "the sweep goes on on the other hosts" in lost[0], output
+    assert "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
+def test_a_host_cut_off_mid_sweep_fails_its_job_and_its_agent_ends_the_ranks_there(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """No connection closes (the host, or the network to it, is down): each side takes the
+    other's silence as its end."""
+    head = _start(
+        hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "step_s=0.1", "steps=${x}", "x=3,100000,4,5"
+    )
+    try:
+        seen = _read_until(head, ["x=100000 on host2", "rank 0 running x=100000"])
+        hosts.cut("host2")
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    assert head.returncode == 1, output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(4)] == ["COMPLETED", "FAILED", "COMPLETED", "COMPLETED"], output
+    assert jobs[1]["error"].startswith(f"host host2 was lost: no word from its agent for {SILENCE_S:g} s"), (
+        jobs[1]
+    )
+    assert [jobs[n]["return_value"]["hosts"] for n in (2, 3)] == [["host1"], ["host1"]], output
+    # on host2, cut off still, its agent ended the job's ranks and itself
+    deadline = time.monotonic() + SILENCE_S + 60
+    while any("python" in line for line in hosts.command_lines("host2")):
+        assert time.monotonic() < deadline, hosts.command_lines("host2")
+        time.sleep(0.2)
+    hosts.cut("host2", up=True)  # its sshd's session learns that the head's connection is gone
+    _nothing_left(hosts)
+
+
+def test_the_head_killed_with_sigkill_leaves_no_process_on_any_host(hosts: SshHosts, app_dir: Path) -> None:
+    head = _start(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "steps=1000",
+        "step_s=0.1",
+        "x=1",
+    )
+    try:
+        _read_until(head, ["rank 0 running x=1"])
+        ssh_clients = psutil.Process(head.pid).children()
+        assert ssh_clients, "the head runs its ssh sessions"
+        os.kill(head.pid, signal.SIGKILL)
+        head.wait()
+        _, alive = psutil.wait_procs(ssh_clients, timeout=30)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    finally:
+        _end(head)
+    _nothing_left(hosts)
+
+
+def test_the_stop_signal_reaches_every_rank_on_every_host_and_they_stop_at_one_step(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    head = _start(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "steps=1000",
+        "step_s=0.1",
+        "x=1",
+    )
+    try:
+        seen = _read_until(head, ["rank 0 running x=1"])
+        os.kill(head.pid, signal.SIGUSR2)  # the head's notice, as a scheduler or a user sends it
+        rest, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    output = seen + rest
+    stopped = {}
+    for line in output.splitlines():
+        if ": stopping after step " in line:
+            rank, step = line.split("rank ", 1)[1].split(": stopping after step ")
+            stopped[int(rank)] = int(step)
+    # every rank of the job, on both hosts, stopped at the same step (should_stop agreed)
+    assert sorted(stopped) == [0, 1, 2, 3] and len(set(stopped.values())) == 1, output
+    assert _summary(app_dir)[0]["status"] == "PREEMPTED", output
+    preempted = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGUSR2")]
+    assert len(preempted) == 1 and "the sweep was preempted: preempted #0" in preempted[0], output
+    assert head.returncode != 0 and "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
+def test_env_forward_passes_the_named_variables_and_no_other(hosts: SshHosts, app_dir: Path) -> None:
+    env = dict(os.environ, HTL_FORWARDED="from the head", HTL_NOT_FORWARDED="kept on the head")
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.env_forward=[HTL_FORW*]",
+        app="env_app.py",
+        env=env,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    seen = _summary(app_dir)[0]["return_value"]
+    assert len(seen) == 2, seen
+    for rank in seen:
+        assert rank["HTL_FORWARDED"] == "from the head" and rank["HTL_NOT_FORWARDED"] is None, seen
+        assert rank["JOB_TAG"] == "job_0", seen  # env_set, as Hydra sets it
+        assert rank["SSH_CONNECTION"], seen  # the host's own environment, as its sshd gives it
+    _nothing_left(hosts)
+
+
+def test_a_hostfile_with_slots_and_comments_shares_out_each_host_s_devices(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    (app_dir / "hostfile").write_text("# the lab's machines\nhost1 slots=2\n\nhost2 slots=2  # the new one\n")
+    result = _sweep(hosts, app_dir, "hydra.launcher.hostfile=hostfile", "x=1,2,3,4", app="env_app.py")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    placed = sorted(
+        (line.split(" on ")[-1]) for line in output.splitlines() if " : x=" in line and " on host" in line
+    )
+    assert placed == ["host1 (devices 0)", "host1 (devices 1)", "host2 (devices 0)", "host2 (devices 1)"], (
+        output
+    )
+    assert sorted(jobs[n]["return_value"][0]["CUDA_VISIBLE_DEVICES"] for n in range(4)) == [
+        "0",
+        "0",
+        "1",
+        "1",
+    ]
+    _nothing_left(hosts)
+
+
+def test_rerun_sh_of_a_job_reruns_it_on_the_host_and_devices_it_had(
+    hosts: SshHosts, app_dir: Path, tmp_path: Path
+) -> None:
+    (app_dir / "hostfile").write_text("host1 slots=2\nhost2 slots=2\n")
+    result = _sweep(hosts, app_dir, "hydra.launcher.hostfile=hostfile", "x=1,2,3,4", app="env_app.py")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    jobs = _summary(app_dir)
+    (num,) = [
+        n
+        for n in range(4)
+        if jobs[n]["return_value"][0]["host"] == "host2"
+        and jobs[n]["return_value"][0]["CUDA_VISIBLE_DEVICES"] == "1"
+    ]
+    job_dir = app_dir / "sweep" / str(num)
+    # run by hand from elsewhere, as a user reruns one job of a sweep
+    rerun = subprocess.run(
+        ["bash", str(job_dir / "rerun.sh")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    said = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, said
+    assert f"#0 : x={num + 1} on host2\n" in said and "host1" not in said, said
+    (rerun_dir,) = job_dir.glob("rerun_*")
+    (again,) = json.loads((rerun_dir / "sweep_summary.json").read_text())["jobs"]
+    assert again["status"] == "COMPLETED", said
+    assert again["return_value"][0]["host"] == "host2", again
+    assert again["return_value"][0]["CUDA_VISIBLE_DEVICES"] == "1", again
+    assert again["return_value"][0]["JOB_TAG"] == "job_0", again  # a sweep of its own
+    _nothing_left(hosts)
+
+
+def test_the_readme_s_console_is_what_a_run_on_two_hosts_prints(tmp_path: Path) -> None:
+    """README.md's "Without a scheduler" console, run as shown (its hosts `gpu1`, `gpu2`; the
+    user's ssh config is this test's file) and compared as tests/test_readme.py compares."""
+    from tests.test_readme import PROJECTS, check_excerpt
+
+    (block,) = [
+        b
+        for p in PROJECTS
+        for b in p.blocks
+        if p.page == "README.md"
+        and b.body.startswith("$ python my_app.py --multirun hydra/launcher=torchrun_ssh")
+    ]
+    command, *excerpt = block.body.splitlines()
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).parents[1] / "example", project)
+    (project / "hosts").write_text("gpu1\ngpu2\n")
+    skip_or_fail(unavailable())
+    with SshHosts(tmp_path, ["gpu1", "gpu2"]) as hosts:
+        run = subprocess.run(
+            [sys.executable, *command.split()[2:], f"hydra.launcher.ssh_options={hosts.ssh_options()}"],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=SWEEP_TIMEOUT_S,
+        )
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output
+        assert not check_excerpt(excerpt, output, project), output
+        _nothing_left(hosts)
+
+
+def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
+    text = "# comment\nworker-1 slots=4\nworker-2\n  worker-3 slots=8 # trailing\n"
+    assert parse_hostfile(text, "hostfile") == [Host("worker-1", 4), Host("worker-2"), Host("worker-3", 8)]
+
+
+def test_env_forward_takes_names_patterns_and_env_set() -> None:
+    environ = {"NCCL_DEBUG": "INFO", "HOME": "/h", "SECRET": "s", "MINE": "1"}
+    assert forwarded(["NCCL_*"], {"MINE": "2"}, environ) == {"NCCL_DEBUG": "INFO", "MINE": "1"}
