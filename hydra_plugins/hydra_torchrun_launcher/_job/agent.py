@@ -29,6 +29,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
 from .._shared.plan import JobPlan, stop_signal_of
+from .._shared.private import private_dir as new_private_dir
 from .._shared.stop_files import RANKS_STARTED_ENV, RANKS_STARTED_FILE, RESUMED_ENV, STOP_FILE_ENV
 from . import preempt
 from .console import RankConsole
@@ -89,7 +90,8 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
     _rank_exits_to_file(plan.output_dir / AGENT_LOG)
     if plan.console_label:
         _label_logged_lines(plan.console_label)
-    private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
+    tempfile.tempdir = None  # the temp dir of the launcher's environment, which this process took
+    private_dir = Path(new_private_dir())  # 0700, named after this process (`_shared.private`)
     try:
         if conf.stop_signal is not None:
             os.environ[STOP_FILE_ENV] = str(private_dir / "stop")

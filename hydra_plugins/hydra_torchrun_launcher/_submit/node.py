@@ -50,6 +50,7 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._shared.plan import Rendezvous
+from .._shared.private import remove_dead_private_dirs
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .commands import duration_s
 from .files import (
@@ -81,6 +82,12 @@ class _NoCallbacks:
 
 def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> int:
     """Run this node's part of the job; `time_limit`: (signal_delay_s, max_num_timeout)."""
+    # what an earlier job's process on this node left when it was killed outright (the OOM
+    # killer, a second scancel): this node's process outlives it
+    try:
+        remove_dead_private_dirs()
+    except Exception:
+        pass  # never a reason to fail a job
     idx = int(environ["SLURM_ARRAY_TASK_ID"])
     node = int(environ.get("SLURM_NODEID", "0"))
     request = decode_request(read_private(request_file(directory, idx)))
