@@ -49,6 +49,7 @@ from .._job.process import decode_request, pickled_return, run_request, without_
 from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
+from .._rank.error import ACCOUNT_ATTR, account_of
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
 from .._shared.stop_files import RANKS_STARTED_FILE
@@ -152,11 +153,17 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
 
 
 def _with_error_of(job_return: JobReturn, pickled: bytes) -> JobReturn:
-    """Node 0's JobReturn with the error another node failed with first (a rank's own exception)."""
+    """Node 0's JobReturn with the error another node failed with first (a rank's own
+    exception), and that node's account of it (`_rank.error.FailureAccount`), which travels
+    beside the error."""
     import cloudpickle
 
+    first = cloudpickle.loads(pickled)
     failed = dataclasses.replace(job_return, status=JobStatus.FAILED)
-    failed.return_value = cloudpickle.loads(pickled)._return_value
+    failed.return_value = first._return_value
+    account = account_of(first)
+    if account is not None:
+        setattr(failed, ACCOUNT_ATTR, account)
     return failed
 
 
