@@ -388,6 +388,8 @@ class _Launch:
         self.report.started(plan.idx, at=since)
 
     def ended(self, plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
+        if job_return.overrides is None:  # a job whose process died before it could return one
+            job_return.overrides = list(plan.overrides)  # Hydra's last word names the job's
         status = _status_of(job_return, stopped)
         if status == COMPLETED and self.writes:
             save_return(plan.output_dir, job_return)
