@@ -320,9 +320,16 @@ def test_job_timeout_while_ranks_start_leaves_no_rank(tmp_path: Path) -> None:
         assert sorted(ends) == [0, 1], _output(result)
         for num in (0, 1):
             assert ends[num]["status"] == "FAILED", ends[num]
-            assert ends[num]["error"].endswith(
+            first, *rest = ends[num]["error"].splitlines()
+            assert first.endswith(
                 f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped"
             ), ends[num]
+            # the ranks' processes ran their launch prefix: named, without a stack of theirs
+            for rank in (0, 1):
+                assert any(
+                    line.startswith(f"still running: rank {rank} (local_rank {rank}, pid ") for line in rest
+                )
+                assert f"rank {rank}'s stack: not known (a script or a launch prefix runs there)" in rest
             # the deadline, not the slow start, ended it: far sooner than the prefix's sleep
             took = ends[num]["t"] - starts[num]["t"]
             assert took < SLOW_START_S / 2, f"job {num} ended after {took:.1f}s"

@@ -22,16 +22,20 @@ VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"ver
 ConfigStore.instance().store(
     name="config",
     node={
-        # ok | allreduce | fail | sleep | flaky | lock_return | scan
+        # ok | allreduce | fail | sleep | hang | flaky | lock_return | scan
         "mode": "ok",
-        # fail: the rank that fails, and how: SIGKILL | SIGSEGV | exit3 | raise | none
+        # fail: the rank that fails (or "all": every rank), and how: SIGKILL | SIGSEGV | exit3 |
+        # raise | drops (an exception whose pickling drops its attributes, as pydantic's) |
+        # unpicklable | needs_args (its constructor takes other arguments) | by_rank (rank 0
+        # raises a ValueError, rank 1 a KeyError, ...) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
         "survivors": "sleep",
         # jobs whose number is listed here do mode=ok instead
         "good_jobs": [],
-        # sleep: ranks ignore SIGTERM and SIGINT (only SIGKILL stops them)
+        # sleep, and fail's sleeping survivors: ranks ignore SIGTERM and SIGINT (only SIGKILL
+        # stops them)
         "ignore_signals": False,
         # scan: a string to look for in files while the ranks run (not on the command
         # line, where the user's own process would show it)
@@ -59,6 +63,34 @@ def _forever() -> None:
         time.sleep(1)
 
 
+def _deaf_to_stops(rank: int) -> None:
+    """SIGTERM and SIGINT are noted in the job dir, and the rank carries on."""
+
+    def note(signum, frame):
+        with (_job_dir() / f"signals_rank{rank}").open("a") as f:
+            f.write(signal.Signals(signum).name + "\n")
+
+    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGINT, note)
+    (_job_dir() / f"deaf_rank{rank}").touch()
+
+
+def _raise(how: str, rank: int) -> None:
+    import fault_errors
+
+    if how == "raise":
+        raise ValueError(f"boom from rank {rank}")
+    if how == "drops":
+        raise fault_errors.DropsAttributes(f"1 validation error for DeepSpeedZeroConfig (rank {rank})")
+    if how == "unpicklable":
+        raise fault_errors.Unpicklable(f"rank {rank} holds a lock")
+    if how == "needs_args":
+        raise fault_errors.NeedsArguments("zero_stage", 9)
+    if how == "by_rank":
+        kinds = [ValueError, KeyError, RuntimeError, TypeError]
+        raise kinds[rank % len(kinds)](f"rank {rank}'s own error")
+
+
 def _fail(cfg, rank: int) -> None:
     collective = cfg.survivors != "sleep"
     if collective:
@@ -66,13 +98,22 @@ def _fail(cfg, rank: int) -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    if rank == cfg.bad_rank and cfg.how != "none":
-        (_job_dir() / "fail_time").write_text(repr(time.time()))
+    failing = (cfg.bad_rank == "all" or rank == cfg.bad_rank) and cfg.how != "none"
+    if cfg.ignore_signals and not failing:
+        _deaf_to_stops(rank)
+    elif cfg.ignore_signals:  # fails once the others are deaf to the stop that follows
+        others = [r for r in range(int(os.environ["WORLD_SIZE"])) if r != rank]
+        deadline = time.monotonic() + 120
+        deaf = [_job_dir() / f"deaf_rank{r}" for r in others]
+        while not all(p.exists() for p in deaf) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if failing:
+        (_job_dir() / f"fail_time{'' if cfg.bad_rank != 'all' else rank}").write_text(repr(time.time()))
         print(f"rank {rank} fails now ({cfg.how})", file=sys.stderr, flush=True)
-        if cfg.how == "raise":
-            raise ValueError(f"boom from rank {rank}")
         if cfg.how == "exit3":
             os._exit(3)
+        if not cfg.how.startswith("SIG"):
+            _raise(cfg.how, rank)
         os.kill(os.getpid(), getattr(signal, cfg.how))
         _forever()
     if cfg.survivors == "barrier":
@@ -81,6 +122,18 @@ def _fail(cfg, rank: int) -> None:
         dist.all_reduce(torch.ones(1))
     if cfg.how != "none":
         _forever()
+
+
+def _hang(rank: int) -> None:
+    """Rank 0 sleeps in Python; every other rank waits for it in a gloo barrier (in C)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print(f"rank {rank} is up", flush=True)
+    print(f"rank {rank} waits", file=sys.stderr, flush=True)
+    if rank == 0:
+        _forever()
+    dist.barrier()
 
 
 def _scan(marker: str) -> str:
@@ -133,15 +186,11 @@ def main(cfg):
         (_job_dir() / f"done_rank{rank}").write_text(os.environ["MASTER_PORT"])
         return {"rank": rank, "job": HydraConfig.get().job.num}
     if mode == "sleep":
-        if cfg.ignore_signals:
-
-            def note(signum, frame):  # and carry on: only SIGKILL ends this rank
-                with (_job_dir() / f"signals_rank{rank}").open("a") as f:
-                    f.write(signal.Signals(signum).name + "\n")
-
-            signal.signal(signal.SIGTERM, note)
-            signal.signal(signal.SIGINT, note)
+        if cfg.ignore_signals:  # and carry on: only SIGKILL ends this rank
+            _deaf_to_stops(rank)
         _forever()
+    if mode == "hang":
+        _hang(rank)
     if mode == "flaky":
         attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         print(f"rank {rank} attempt {attempt}", flush=True)

@@ -53,4 +53,7 @@ class Recorder(Callback):
             record["summary"] = getattr(value, "hydra_torchrun_summary", None) or str(value)
             # the error as Python prints it: the failed rank's frames, or its traceback chained
             record["traceback"] = "".join(traceback.format_exception(type(value), value, value.__traceback__))
+            # its own attributes, as the job's process has it back from the rank
+            own = getattr(value, "__dict__", {})
+            record["attributes"] = sorted(name for name in own if not name.startswith("_"))
         _write(config, {**record, **_process_stats()})

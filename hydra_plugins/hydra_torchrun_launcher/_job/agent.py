@@ -7,6 +7,11 @@ A job's ranks run one of three things:
 - a training script (`training_script`): each rank runs it as torchrun would.
 Real-process ranks get their settings through files in a private directory (0700, files
 0600), removed when the job ends; nothing is ever put into a shell string.
+
+Past `job_timeout` (torch's agent is interrupted by the SIGALRM of `_on_deadline`, before its
+own shutdown path stops the ranks), the job's process first names the ranks still running
+and asks each one that can where it is (`DUMP_SIGNAL`: faulthandler writes its stack to its
+stderr), so the job's error shows it (`_job.failures.deadline_report`).
 """
 
 import json
@@ -16,7 +21,8 @@ import shutil
 import signal
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -29,10 +35,28 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
 from .._shared.plan import JobPlan, stop_signal_of
-from .._shared.stop_files import RANKS_STARTED_ENV, RANKS_STARTED_FILE, RESUMED_ENV, STOP_FILE_ENV
+from .._shared.private import private_dir as new_private_dir
+from .._shared.stop_files import (
+    DUMP_SIGNAL,
+    RANK_PROCESSES_ENV,
+    RANKS_STARTED_ENV,
+    RANKS_STARTED_FILE,
+    RESUMED_ENV,
+    STOP_FILE_ENV,
+    ranks_of,
+)
 from . import preempt
 from .console import RankConsole
-from .failures import JobFailedError, job_error, stops_interrupt
+from .failures import (
+    LiveRankReport,
+    deadline_first,
+    deadline_report,
+    failed_before_stop,
+    forget_ranks,
+    job_error,
+    job_failed,
+    stops_interrupt,
+)
 from .launch_config import agent_environment, build_launch_config, launch_config_fields
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
@@ -42,6 +66,10 @@ log = logging.getLogger(__name__)
 RANK_MAIN = "hydra_plugins.hydra_torchrun_launcher._rank.main"
 # torch's account of its ranks' exits, in the job's dir (made when there is one)
 AGENT_LOG = "torchrun_agent.log"
+# the ranks' process files, in the job process's private dir (`_shared.stop_files`)
+RANK_PROCESSES_DIR = "ranks"
+# past job_timeout: how long the ranks asked for their stacks get to write them
+_DUMP_WAIT_S = 2.0
 
 
 @dataclass
@@ -56,6 +84,8 @@ class AgentJob:
     console: RankConsole
     # the run dirs of torch's logs already in the log dir (an earlier run in this sweep dir)
     earlier_logs: "frozenset[Path]" = frozenset()
+    # the ranks still running when the job ran past its job_timeout
+    live_at_deadline: List[LiveRankReport] = field(default_factory=list)
 
 
 def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optional[str] = None) -> Any:
@@ -65,7 +95,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
     this process holds now is what its ranks inherit.
     """
     if task_error is not None:
-        raise JobFailedError(task_error)
+        raise job_failed(task_error)
     conf = plan.settings.conf
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
@@ -89,10 +119,12 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
     _rank_exits_to_file(plan.output_dir / AGENT_LOG)
     if plan.console_label:
         _label_logged_lines(plan.console_label)
-    private_dir = Path(tempfile.mkdtemp(prefix="hydra_torchrun_"))  # 0700
+    tempfile.tempdir = None  # the temp dir of the launcher's environment, which this process took
+    private_dir = Path(new_private_dir())  # 0700, named after this process (`_shared.private`)
     try:
         if conf.stop_signal is not None:
             os.environ[STOP_FILE_ENV] = str(private_dir / "stop")
+        os.environ[RANK_PROCESSES_ENV] = str(private_dir / RANK_PROCESSES_DIR)
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
         os.environ[RANKS_STARTED_ENV] = str(plan.output_dir / RANKS_STARTED_FILE)
@@ -247,8 +279,70 @@ class JobDeadline(BaseException):
     """
 
 
-def _raise_deadline(signum: int, frame: Any) -> None:
-    raise JobDeadline()
+def _on_deadline(job: AgentJob) -> Callable[[int, Any], None]:
+    """The SIGALRM handler of `job_timeout`: unless a failure or a stop came first (the agent
+    is already stopping the ranks for it), the ranks still running are named and asked where
+    they are, then the agent is interrupted."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if not deadline_first():
+            return
+        job.live_at_deadline = _ask_where(job)
+        raise JobDeadline()
+
+    return handler
+
+
+def _caught_signals(pid: int) -> Optional[int]:
+    """The mask of the signals `pid` catches (/proc/<pid>/status SigCgt); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _ask_where(job: AgentJob) -> List[LiveRankReport]:
+    """The ranks still running, each that registered faulthandler asked for its stack (written
+    to its stderr, which is read back once it has stopped growing, within `_DUMP_WAIT_S`)."""
+    directory = job.private_dir / RANK_PROCESSES_DIR
+    attempts = _attempt_dirs(job)
+    attempt = int(attempts[-1].name.split("_")[1]) if attempts else 0
+    logs = _rank_logs(job)
+    reports = []
+    for rank in ranks_of(str(directory), attempt, running=True):
+        stdout, stderr = logs.get(rank.local_rank, (None, None))
+        size = _size(stderr)
+        caught = _caught_signals(rank.pid)
+        dumps = rank.dumps and (caught is None or bool(caught & (1 << (DUMP_SIGNAL - 1))))
+        if dumps:
+            try:
+                os.kill(rank.pid, DUMP_SIGNAL)
+            except OSError:
+                dumps = False
+        reports.append(LiveRankReport(rank, stdout, stderr, size, dumps))
+    asked = [r for r in reports if r.dumped and r.stderr is not None]
+    deadline = time.monotonic() + _DUMP_WAIT_S
+    sizes = {id(r): r.stderr_size for r in asked}
+    while asked and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = {id(r): _size(r.stderr) for r in asked}
+        if all(now[id(r)] > r.stderr_size for r in asked) and now == sizes:
+            break  # every stack written, and nothing more coming
+        sizes = now
+    for report in asked:
+        report.dump_end = _size(report.stderr)
+    return reports
+
+
+def _size(path: Optional[Path]) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def _run_agent(job: AgentJob) -> Any:
@@ -258,13 +352,14 @@ def _run_agent(job: AgentJob) -> Any:
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
     the same SignalException; a stop that came earlier stops the job before the agent starts
-    (`_job.failures.stops_interrupt`). The stop signal asks the ranks to stop at a step boundary
-    instead (`_job.preempt`); the job then ends preempted.
+    (`_job.failures.stops_interrupt`). The stop signal asks the ranks to stop at one step
+    boundary instead (`_job.preempt`); the job then ends preempted. Whatever came first (a
+    rank's failure, the deadline, a stop) is the job's outcome; what came after is said after it.
     """
     conf = job.plan.settings.conf
-    failure: Optional[Exception] = None
+    failure: Optional[BaseException] = None
     if conf.job_timeout is not None:
-        signal.signal(signal.SIGALRM, _raise_deadline)
+        signal.signal(signal.SIGALRM, _on_deadline(job))
         signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
     try:
         with stops_interrupt():
@@ -274,23 +369,20 @@ def _run_agent(job: AgentJob) -> Any:
             returned = _leave_together(job, outputs)
     except ChildFailedError as e:
         # no ordered exit: a node whose ranks failed may be gone, and nobody would count it out
-        failure = job_error(e, _stderr_logs(job), job.plan.launch_dir)
+        failure = job_error(e, _stderr_logs(job), job.plan.launch_dir, job.plan.nproc)
     except SignalException as e:
-        failure = preempt.outcome(interrupted_by=e.sigval) or JobFailedError(
-            f"the job was stopped by signal {signal.Signals(e.sigval).name}"
-        )
+        failure = preempt.outcome(interrupted_by=e.sigval) or _stopped(job, signal.Signals(e.sigval))
     except RendezvousError as e:
         # a node that never came (or left): one line, not torch's traceback of its agent
-        failure = JobFailedError(_rendezvous_failed(job.plan, e))
+        failure = job_failed(_rendezvous_failed(job.plan, e))
     except JobDeadline:
-        failure = JobFailedError(
-            f"the job ran past hydra.launcher.job_timeout={conf.job_timeout:g}s; its ranks were stopped"
-        )
+        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir)
     except preempt.StopTimeout:
         failure = preempt.timed_out()
     finally:
         preempt.agent_ended()
         signal.setitimer(signal.ITIMER_REAL, 0)
+        forget_ranks()
     if failure is None:
         preempted = preempt.outcome()
         if preempted is None:
@@ -298,6 +390,27 @@ def _run_agent(job: AgentJob) -> Any:
         failure = preempted
     # raised here, not in an except clause: the agent's frames stay out of the error's context
     raise failure
+
+
+def _stopped(job: AgentJob, sig: signal.Signals) -> BaseException:
+    """The job's error after a stop ended its agent: the stop's, unless a rank had failed on its
+    own before the stop came (the agent had not seen it yet): then that failure, as the agent
+    would have told it, and the stop after it."""
+    failed = _failed_before(job)
+    if failed is not None:
+        return job_error(failed, _stderr_logs(job), job.plan.launch_dir, job.plan.nproc)
+    return job_failed(f"the job was stopped by signal {sig.name}", stopped=True)
+
+
+def _failed_before(job: AgentJob) -> Optional[ChildFailedError]:
+    """The ranks that raised before the stop came, as torch's agent reports failed ranks."""
+    attempts = _attempt_dirs(job)
+    if not attempts:
+        return None
+    attempt = int(attempts[-1].name.split("_")[1])
+    ranks = {rank.local_rank: rank for rank in ranks_of(str(job.private_dir / RANK_PROCESSES_DIR), attempt)}
+    error_dirs = {local_rank: attempts[-1] / str(local_rank) for local_rank in range(job.plan.nproc)}
+    return failed_before_stop(error_dirs, ranks, str(job.entrypoint))
 
 
 def _rendezvous_failed(plan: JobPlan, error: Exception) -> str:
@@ -352,15 +465,38 @@ def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
     return None if pickled is None else cloudpickle.loads(pickled)
 
 
-def _stderr_logs(job: AgentJob) -> List[Path]:
-    """Each local rank's stderr file of this job's last attempt (where tee/redirects kept one);
-    never one of an earlier run's that reused the sweep dir (same rendezvous id)."""
+def _attempt_dirs(job: AgentJob) -> List[Path]:
+    """The attempt dirs of torch's rank logs in this job's run, in order (never those of an
+    earlier run that reused the sweep dir, same rendezvous id)."""
     log_dir = Path(job.launch_config.logs_specs.root_log_dir)  # type: ignore[union-attr]
     earlier = job.earlier_logs
-    attempts = sorted(
+    return sorted(
         (p for p in log_dir.glob(f"{job.launch_config.run_id}_*/attempt_*") if p.parent not in earlier),
         key=lambda p: int(p.name.split("_")[1]),
     )
+
+
+def _stderr_logs(job: AgentJob) -> List[Path]:
+    """Each local rank's stderr file of this job's last attempt (where tee/redirects kept one)."""
+    attempts = _attempt_dirs(job)
     if not attempts:
         return []
     return [attempts[-1] / str(local_rank) / "stderr.log" for local_rank in range(job.plan.nproc)]
+
+
+def _rank_logs(job: AgentJob) -> Dict[int, "tuple[Optional[Path], Optional[Path]]"]:
+    """Each local rank's (stdout, stderr) files of the last attempt, those that exist."""
+    attempts = _attempt_dirs(job)
+    if not attempts:
+        return {}
+
+    def existing(path: Path) -> Optional[Path]:
+        return path if path.is_file() else None
+
+    return {
+        local_rank: (
+            existing(attempts[-1] / str(local_rank) / "stdout.log"),
+            existing(attempts[-1] / str(local_rank) / "stderr.log"),
+        )
+        for local_rank in range(job.plan.nproc)
+    }

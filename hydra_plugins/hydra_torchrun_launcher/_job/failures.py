@@ -1,31 +1,50 @@
 """Turn a torch elastic failure into the error a user reads: one story per failed job.
 
 The console already showed the failed rank's own lines (its traceback included, prefixed
-with its rank). The job's error then says, in a few lines, which rank failed, how (its
-exception, signal or exit code) and where its full logs are. A rank that raised hands back
-its own exception (`job_error`); one that failed without a Python exception (a signal, an
-exit code, a training script) has no traceback to show, so its error ends with the last
-lines of the rank's stderr, which Hydra prints at the end of the sweep as it prints a task's
-traceback: the job's line, the table and `sweep_summary.json` keep the short account.
+with its rank). The job's error then says, in a few lines, which rank failed first, how
+(its exception, signal or exit code), every other rank that failed on its own, and where
+their full logs are. A rank that raised hands back its own exception (`job_error`); one that
+failed without a Python exception (a signal, an exit code, a training script) has no
+traceback to show, so its error ends with the last lines of the rank's stderr, which Hydra
+prints at the end of the sweep as it prints a task's traceback: the job's line, the table
+and `sweep_summary.json` keep the short account, which travels beside the error
+(`_rank.error.FailureAccount`).
+
+The first cause wins: once a rank has failed (or the job has run past `job_timeout`), a
+stop signal that comes while the job's ranks shut down does not interrupt that shutdown; it
+is said after the failure, and the job stays FAILED. A job past its `job_timeout` names the
+ranks still running, with their last lines and where each one was (`deadline_report`).
 """
 
+import json
 import os
+import re
 import signal
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._rank.error import SUMMARY_ATTR, read_rank_exception, with_summary
+from .._rank.error import EXCEPTION_FILE, SUMMARY_ATTR, FailureAccount, read_rank_exception, with_summary
 from .._shared.paths import shown_path
 from .._shared.signals import group_signals
+from .._shared.stop_files import LiveRank
 
 _STDERR_TAIL_LINES = 20
+# a live rank's last lines of output, of each stream, in the error of a job past its job_timeout
+_LIVE_TAIL_LINES = 10
+# a live rank's stack as faulthandler dumped it: at most this many lines of it
+_STACK_LINES = 60
 # what torch puts in ProcessFailure.error_file when the rank left none
 _NO_ERROR_FILE = "<N/A>"
+_ERROR_FILE = "error.json"
+# the signals by which the agent itself stops a rank: a rank they ended did not fail
+_STOPPING = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 class RankTraceback(Exception):
@@ -55,6 +74,14 @@ class JobFailedError(CompactHydraException, RuntimeError):
         return f"{self.message}\n{self.tail}" if self.tail else self.message
 
 
+class JobStopped(JobFailedError):
+    """A job ended by a stop signal (Ctrl-C, SIGTERM) before anything of its own failed:
+    the launcher records it STOPPED (it runs again when the sweep resumes)."""
+
+
+# ------------------------------------------------------------------ the first cause
+
+
 class _Stop:
     """The stop signal this job's process received, and whether it interrupts what runs.
 
@@ -65,7 +92,82 @@ class _Stop:
     """
 
     received: Optional[signal.Signals] = None
+    at: Optional[float] = None  # time.time() of the first one
     interrupting = False
+
+
+class _FirstCause:
+    """What ended the job first, as this process saw it: a rank's failure (seen by torch's
+    agent, `_job.torch_adjustments`), the job's deadline, or a stop signal (`_Stop`)."""
+
+    failure_seen_at: Optional[float] = None
+    # local rank -> (pid, exit code) of the ranks found ended with a failure when the agent acted
+    failed: Dict[int, Tuple[int, int]] = {}
+    deadline_at: Optional[float] = None
+    # local rank -> (pid, exit code) of every rank now, from torch's process context
+    rank_exits: Optional[Callable[[], Dict[int, Tuple[int, Optional[int]]]]] = None
+
+
+def ranks_failed(failed: Dict[int, Tuple[int, int]]) -> None:
+    """torch's agent found these local ranks ended with a failure ((pid, exit code)) and now
+    stops the others: from here on the failure is the job's first cause (unless the agent
+    then restarts the ranks: `attempt_starting`)."""
+    if not failed:
+        return
+    if _FirstCause.failure_seen_at is None and _FirstCause.deadline_at is None and _Stop.received is None:
+        _FirstCause.failure_seen_at = time.time()
+        _take_over_stops()
+    for local_rank, exit in failed.items():
+        _FirstCause.failed.setdefault(local_rank, exit)
+
+
+def attempt_starting() -> None:
+    """torch's agent starts (or restarts, `max_restarts`) the ranks: a failure seen before is
+    not the job's outcome any more; a stop that came meanwhile stops the job now."""
+    _FirstCause.failure_seen_at = None
+    _FirstCause.failed = {}
+    if _Stop.received is not None and _Stop.interrupting:
+        _raise_stop()
+
+
+def _take_over_stops() -> None:
+    """The stop signals are this process's to handle again, not torch's agent's (whose handler
+    would interrupt the shutdown of the job's first cause): they are recorded, and said after it."""
+    for sig in group_signals():
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not stop_requested:
+            signal.signal(sig, stop_requested)
+
+
+def rank_exits_from(source: Callable[[], Dict[int, Tuple[int, Optional[int]]]]) -> None:
+    """Where the ranks' pids and exit codes are read once the agent is done."""
+    _FirstCause.rank_exits = source
+
+
+def forget_ranks() -> None:
+    """The agent is done and its failure told: torch's process context (its ranks' pipes)
+    goes with the agent, not held here."""
+    _FirstCause.rank_exits = None
+
+
+def _rank_exits() -> Dict[int, Tuple[int, Optional[int]]]:
+    try:
+        return _FirstCause.rank_exits() if _FirstCause.rank_exits is not None else {}
+    except Exception:
+        return {}
+
+
+def deadline_first() -> bool:
+    """The job's deadline came: it is the first cause unless a failure or a stop came before."""
+    if _FirstCause.failure_seen_at is not None or _Stop.received is not None:
+        return False
+    _FirstCause.deadline_at = time.time()
+    _take_over_stops()
+    return True
+
+
+def _first_cause_came() -> bool:
+    return _FirstCause.failure_seen_at is not None or _FirstCause.deadline_at is not None
 
 
 def _raise_stop() -> None:
@@ -77,10 +179,15 @@ def stop_requested(signum: int, frame: Any) -> None:
 
     It records the signal; while torch's agent runs it also raises, as the agent's own
     handler does, so a stop that comes before the agent has ranks to watch (its rendezvous
-    waiting for other nodes) ends the job the same way, with its JobReturn.
+    waiting for other nodes) ends the job the same way, with its JobReturn. It does not
+    raise once a rank has failed or the job's deadline has come: the agent is stopping the
+    ranks for that first cause already (within `shutdown_timeout`), and the failure stays
+    the job's outcome; the stop is said after it.
     """
+    if _Stop.received is None:
+        _Stop.at = time.time()
     _Stop.received = signal.Signals(signum)
-    if _Stop.interrupting:
+    if _Stop.interrupting and not _first_cause_came():
         _raise_stop()
 
 
@@ -103,10 +210,77 @@ def stops_interrupt() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+def stop_after() -> Optional[str]:
+    """The line that says a stop came after the job's first cause (None if none came)."""
+    if _Stop.received is None:
+        return None
+    return f"then {_Stop.received.name} stopped the sweep while the job's ranks were shutting down"
+
+
+def failed_before_stop(
+    error_dirs: Dict[int, Path], ranks: Dict[int, LiveRank], name: str
+) -> Optional[ChildFailedError]:
+    """After a stop ended the agent: the ranks that had failed on their own before the stop
+    came (the agent had not seen them yet: their exception, left before the signal), as the
+    agent reports failed ranks; None if none had. `ranks`: the ranks' processes by local rank."""
+    if _Stop.at is None:
+        return None
+    exits = _rank_exits()
+    failed = {}
+    for local_rank, directory in error_dirs.items():
+        try:
+            if (directory / EXCEPTION_FILE).stat().st_mtime >= _Stop.at:
+                continue
+        except OSError:
+            continue
+        pid, code = exits.get(local_rank, (None, None))
+        known = ranks.get(local_rank)
+        # (torch's error file is written as the rank exits: the stop's signal ends its wait)
+        failure = ProcessFailure(
+            local_rank, pid or (known.pid if known else 0), code or 1, str(directory / _ERROR_FILE)
+        )
+        failed[known.rank if known else local_rank] = failure
+    return ChildFailedError(name, failed) if failed else None
+
+
+# ------------------------------------------------------------------ the account
+
+
+class _Account:
+    """The account of this job's error, as the job's process made it (one job per process)."""
+
+    error: Optional[BaseException] = None
+    account: Optional[FailureAccount] = None
+
+
+def told(error: BaseException, summary: str, stopped: bool = False) -> BaseException:
+    """`error` is the job's, with this account (what the launcher shows); returns it."""
+    _Account.error = error
+    _Account.account = FailureAccount(summary, stopped)
+    return error
+
+
+def account_for(error: Any) -> Optional[FailureAccount]:
+    """The account made for `error` in this process, if it is the job's error."""
+    if _Account.error is not None and error is _Account.error:
+        return _Account.account
+    return None
+
+
+# ------------------------------------------------------------------ a failed rank
+
+
 def _cause(failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"was killed by signal {failure.signal_name()}"
-    return f"exited with code {failure.exitcode}"
+    return _exit_cause(failure.exitcode)
+
+
+def _exit_cause(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def _left_error_file(failure: ProcessFailure) -> bool:
@@ -150,51 +324,278 @@ def _tail(stderr_log: Optional[Path]) -> str:
     return "its last lines:\n" + "\n".join(lines) if lines else ""
 
 
-def describe(
-    error: ChildFailedError, stderr_logs: Optional[List[Path]] = None, launch_dir: Optional[str] = None
-) -> JobFailedError:
-    """The root-cause rank first (what failed, how), any other failed rank, where the logs are.
+def error_dirs_of(error: ChildFailedError, nproc: int) -> Dict[int, Path]:
+    """Each local rank's dir of torch's error file, in the attempt that failed (where a rank
+    that raised left it, and its exception beside it); {} where torch keeps them elsewhere."""
+    _, root = error.get_first_failure()
+    if not _left_error_file(root):
+        root = next((f for f in error.failures.values() if _left_error_file(f)), root)
+    if not _left_error_file(root):
+        return {}
+    own = Path(str(root.error_file)).parent
+    if own.name != str(root.local_rank):
+        return {}
+    return {local_rank: own.parent / str(local_rank) for local_rank in range(nproc)}
 
-    `stderr_logs[local_rank]` is that rank's stderr file, read when the rank left no
+
+def _raised(directory: Optional[Path]) -> str:
+    """ "ValueError: bad lr" when the rank whose error file lives in `directory` raised."""
+    if directory is None:
+        return ""
+    try:
+        data = json.loads((directory / _ERROR_FILE).read_text())
+        message = data.get("message", {})
+        message = message.get("message", "") if isinstance(message, dict) else message
+        lines = str(message).strip().splitlines()
+        if lines:
+            return lines[0]
+    except (OSError, ValueError, AttributeError):
+        pass
+    if not (directory / EXCEPTION_FILE).is_file():
+        return ""
+    error = read_rank_exception(str(directory / _ERROR_FILE))
+    return f"{type(error).__name__}: {error}".splitlines()[0] if error is not None else ""
+
+
+@dataclass
+class _Failed:
+    rank: int
+    local_rank: int
+    pid: Optional[int]
+    cause: str  # "exited with code 1", or "" when its exit is not known
+    exception: str  # "ValueError: ...", or ""
+
+    def said(self, detail: bool = True) -> str:
+        who = f"rank {self.rank} (local_rank {self.local_rank}" + (f", pid {self.pid})" if self.pid else ")")
+        line = f"{who} {self.cause}" if self.cause else who
+        return f"{line}: {self.exception}" if self.exception else line
+
+
+def _other_failures(error: ChildFailedError, error_dirs: Dict[int, Path], nproc: int) -> List[_Failed]:
+    """Every rank but the first cause that failed on its own, by rank: those torch's agent
+    reports (less the survivors its shutdown ended), those it found ended with a failure
+    when it acted, and those that raised while the job shut down (their exception left)."""
+    root_rank, root = error.get_first_failure()
+    base = root_rank - root.local_rank  # global rank of local rank 0 on this node
+    exits = _rank_exits()
+    found: Dict[int, _Failed] = {}
+    for rank, failure in error.failures.items():
+        if rank == root_rank:
+            continue
+        exception = _exception_line(failure) or _raised(error_dirs.get(failure.local_rank))
+        if failure.exitcode in _STOPPING and not exception and failure.local_rank not in _FirstCause.failed:
+            continue  # a survivor the agent stopped
+        # one that raised and was then stopped on its way out: its exception says what it did
+        cause = "" if exception and failure.exitcode in _STOPPING else _cause(failure)
+        found[failure.local_rank] = _Failed(rank, failure.local_rank, failure.pid, cause, exception)
+    for local_rank in range(nproc):
+        if local_rank == root.local_rank or local_rank in found:
+            continue
+        exception = _raised(error_dirs.get(local_rank))
+        seen = _FirstCause.failed.get(local_rank)
+        if not exception and seen is None:
+            continue
+        pid, code = exits.get(local_rank, (None, None))
+        if seen is not None:
+            pid, code = seen
+        # a rank that raised, then was stopped with the others while it was on its way out
+        cause = _exit_cause(code) if code is not None and (seen is not None or code > 0) else ""
+        found[local_rank] = _Failed(base + local_rank, local_rank, pid, cause, exception)
+    return [found[local_rank] for local_rank in sorted(found)]
+
+
+def describe(
+    error: ChildFailedError,
+    stderr_logs: Optional[List[Path]] = None,
+    launch_dir: Optional[str] = None,
+    nproc: int = 0,
+) -> JobFailedError:
+    """The first cause's rank first (what failed, how), then every other rank that failed,
+    each followed by where its output is.
+
+    `stderr_logs[local_rank]` is that rank's stderr file, read when the first rank left no
     traceback (a script, a native crash); it is named relative to `launch_dir`, where the
     user launched the sweep and reads its console, when it lies below it.
     """
     root_rank, root = error.get_first_failure()
+    nproc = max(nproc, len(stderr_logs or []), root.local_rank + 1)
+    error_dirs = error_dirs_of(error, nproc)
 
-    def stderr_of(failure: ProcessFailure) -> Optional[Path]:
-        if stderr_logs and 0 <= failure.local_rank < len(stderr_logs):
-            return stderr_logs[failure.local_rank]
-        return None
+    def output(local_rank: int) -> List[str]:
+        log = stderr_logs[local_rank] if stderr_logs and 0 <= local_rank < len(stderr_logs) else None
+        if log is None or not log.is_file():
+            return []
+        return [f"its output: {shown_path(str(log), launch_dir)}"]
 
-    first = f"rank {root_rank} (local_rank {root.local_rank}, pid {root.pid}) {_cause(root)}"
-    exception = _exception_line(root)
-    lines = [f"{first}: {exception}" if exception else first]
-    for rank in sorted(rank for rank in error.failures if rank != root_rank):
-        failure = error.failures[rank]
-        lines.append(f"also failed: rank {rank} (local_rank {failure.local_rank}) {_cause(failure)}")
-    log = stderr_of(root)
-    if log is not None and log.is_file():
-        lines.append(f"its output: {shown_path(str(log), launch_dir)}")
+    first = _Failed(root_rank, root.local_rank, root.pid, _cause(root), _exception_line(root))
+    lines = [first.said(), *output(root.local_rank)]
+    for other in _other_failures(error, error_dirs, nproc):
+        lines += [f"also failed: {other.said()}", *output(other.local_rank)]
+    log = stderr_logs[root.local_rank] if stderr_logs and root.local_rank < len(stderr_logs) else None
     if _left_error_file(root):
         return JobFailedError("\n".join(lines), _traceback(root))
     return JobFailedError("\n".join(lines), tail=_tail(log))
 
 
 def job_error(
-    error: ChildFailedError, stderr_logs: Optional[List[Path]] = None, launch_dir: Optional[str] = None
-) -> Exception:
+    error: ChildFailedError,
+    stderr_logs: Optional[List[Path]] = None,
+    launch_dir: Optional[str] = None,
+    nproc: int = 0,
+) -> BaseException:
     """The job's error: the root-cause rank's own exception when it left one, else `describe`'s.
 
     The rank's exception comes with its frames and chain (`_rank.error`), as Hydra's own
-    launchers hand back a task's; it keeps `describe`'s account (rank first) for the
-    launcher's lines and table, and as its first note, without repeating its own message.
+    launchers hand back a task's; `describe`'s account (rank first) is what the launcher
+    shows (`told`), and the exception's first note, without repeating its own message. A
+    stop that came during the shutdown is said after it.
     """
-    failed = describe(error, stderr_logs, launch_dir)
+    failed = describe(error, stderr_logs, launch_dir, nproc)
+    after = stop_after()
+    summary = "\n".join([failed.message, after]) if after else failed.message
     _, root = error.get_first_failure()
     rank_error = read_rank_exception(str(root.error_file)) if _left_error_file(root) else None
     if not isinstance(rank_error, Exception):
-        return failed
-    first, *rest = failed.message.splitlines()
+        if after:
+            failed = JobFailedError(summary, failed.details, failed.tail)
+        return told(failed, summary)
+    first, *rest = summary.splitlines()
     said = f": {_exception_line(root)}"
     headline = first[: -len(said)] if first.endswith(said) else first
-    return with_summary(rank_error, failed.message, "\n".join([headline, *rest]))
+    return told(with_summary(rank_error, summary, "\n".join([headline, *rest])), summary)
+
+
+def job_failed(message: str, stopped: bool = False, details: str = "", tail: str = "") -> JobFailedError:
+    """A failure of the job itself (its deadline, its rendezvous; a stop: `stopped`), told;
+    a stop that came after a first cause of the job's own is said after it."""
+    after = None if stopped else stop_after()
+    if after:
+        message = f"{message}\n{after}"
+    kind = JobStopped if stopped else JobFailedError
+    error = kind(message, details, tail)
+    told(error, message, stopped)
+    return error
+
+
+# ------------------------------------------------------------------ past job_timeout
+
+
+def _read_tail(path: Optional[Path], lines: int, start: int = 0, end: Optional[int] = None) -> List[str]:
+    """The last `lines` lines of `path` between byte `start` and `end` (the end of the file)."""
+    if path is None:
+        return []
+    try:
+        with path.open("rb") as f:
+            f.seek(start)
+            data = f.read() if end is None else f.read(max(0, end - start))
+    except OSError:
+        return []
+    text = data.decode(errors="replace").rstrip("\n")
+    return text.splitlines()[-lines:] if text else []
+
+
+# a frame of faulthandler's dump: `  File "/path/app.py", line 12 in train`
+_DUMPED_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>.*)$')
+# the launcher's own frame below a rank's task: the frames under it are plumbing
+_RANK_ENTRY = ("run_rank", os.path.join("_rank", "worker.py"))
+
+
+def _is_rank_entry(match: "re.Match[str]") -> bool:
+    return match["name"] == _RANK_ENTRY[0] and match["file"].endswith(_RANK_ENTRY[1])
+
+
+def _threads(dump: List[str]) -> List[List[str]]:
+    """faulthandler's dump, a list of lines per thread (its header first)."""
+    threads: List[List[str]] = []
+    for line in dump:
+        if not _DUMPED_FRAME.match(line) and line.strip():
+            threads.append([line])
+        elif threads and line.strip():
+            threads[-1].append(line)
+    return threads
+
+
+def _task_frames(thread: List[str]) -> List["re.Match[str]"]:
+    """The frames of a thread above the rank's entry point (most recent first)."""
+    frames = []
+    for line in thread[1:]:
+        match = _DUMPED_FRAME.match(line)
+        if match is None:
+            continue
+        if _is_rank_entry(match):
+            break
+        frames.append(match)
+    return frames
+
+
+def _stack(dump: List[str]) -> "Tuple[List[str], str]":
+    """The dump without the launcher's frames below the task, and where the rank's main
+    thread (the one that runs the task) was: "in barrier (distributed_c10d.py:5356), called
+    from train (train.py:42)" (the innermost frame, then the innermost of the app's own, a
+    file outside Python's and its packages' dirs)."""
+    threads = _threads(dump)
+    shown: List[str] = []
+    where = ""
+    for thread in threads:
+        frames = _task_frames(thread)
+        matches = [_DUMPED_FRAME.match(line) for line in thread[1:]]
+        main = any(match is not None and _is_rank_entry(match) for match in matches)
+        shown += [thread[0], *(f'  File "{m["file"]}", line {m["line"]} in {m["name"]}' for m in frames)]
+        if main and frames:
+            first = frames[0]
+            where = f"in {first['name']} ({os.path.basename(first['file'])}:{first['line']})"
+            own = next((m for m in frames if _apps_own(m["file"])), None)
+            if own is not None and own is not first:
+                where += f", called from {own['name']} ({os.path.basename(own['file'])}:{own['line']})"
+    return shown, where
+
+
+def _apps_own(path: str) -> bool:
+    """Whether a file is the app's own: not in Python's library or an installed package."""
+    return "site-packages" not in path and "dist-packages" not in path and not path.startswith(_STDLIB)
+
+
+_STDLIB = os.path.dirname(os.__file__)
+
+
+@dataclass
+class LiveRankReport:
+    """A rank still running at the job's deadline, and what it left: its last lines, its stack."""
+
+    rank: LiveRank
+    stdout: Optional[Path]
+    stderr: Optional[Path]
+    stderr_size: int  # before its stack was asked for
+    dumped: bool  # its stack was asked for (it registered faulthandler)
+    dump_end: int = 0  # the size of its stderr once its stack was written
+
+
+def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Optional[str]) -> JobFailedError:
+    """The job's error past `job_timeout`: the ranks still running then and where each one was
+    (the account), and, for Hydra's last word, each one's last lines and its stack."""
+    lines = [f"the job ran past hydra.launcher.job_timeout={timeout:g}s; its ranks were stopped"]
+    tail: List[str] = []
+    for report in live:
+        rank = report.rank
+        dump = (
+            _read_tail(report.stderr, 10 * _STACK_LINES, report.stderr_size, report.dump_end)
+            if report.dumped
+            else []
+        )
+        stack, where = _stack(dump)
+        said = f"still running: rank {rank.rank} (local_rank {rank.local_rank}, pid {rank.pid})"
+        lines.append(f"{said} {where}" if where else said)
+        if report.stderr is not None and report.stderr.is_file():
+            lines.append(f"its output: {shown_path(str(report.stderr), launch_dir)}")
+        before = _read_tail(report.stderr, _LIVE_TAIL_LINES, 0, report.stderr_size)
+        printed = _read_tail(report.stdout, _LIVE_TAIL_LINES)
+        name = f"rank {rank.rank}"
+        if printed:
+            tail += [f"{name}'s last lines of stdout:", *printed]
+        if before:
+            tail += [f"{name}'s last lines of stderr:", *before]
+        if stack:
+            tail += [f"{name}'s stack when it was stopped:", *stack[:_STACK_LINES]]
+        elif not report.dumped:
+            tail.append(f"{name}'s stack: not known (a script or a launch prefix runs there)")
+    return job_failed("\n".join(lines), tail="\n".join(tail))

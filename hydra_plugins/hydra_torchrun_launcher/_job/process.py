@@ -8,7 +8,8 @@ job's bookkeeping here (job dir, `.hydra/`, `env_set`, logging, `on_job_start`/
 signal handling and shutdown path are in force. Its ranks inherit this process's state,
 so they see, from their first line, what torchrun's ranks would see.
 
-The `JobReturn` goes back to the launcher through a pipe; the process then exits, and
+The `JobReturn` goes back to the launcher through a pipe, a failed one with the account of
+its failure beside its error (`_rank.error.FailureAccount`); the process then exits, and
 whatever it started goes with it.
 """
 
@@ -27,14 +28,14 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 
-from .._rank.error import dumps_job_return
+from .._rank.error import ACCOUNT_ATTR, dumps_job_return
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
 from . import preempt
 from .agent import run_agent_job
-from .failures import stop_requested
+from .failures import account_for, stop_requested
 
 _FRAME = struct.Struct("=q")
 
@@ -121,13 +122,18 @@ def _run(request: JobRequest) -> JobReturn:
         # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start
         return run_agent_job(request.plan, request.devices, request.task_error)
 
-    return run_job(
+    job_return = run_job(
         hydra_context=request.hydra_context,
         task_function=distributed_task,
         config=request.config,
         job_dir_key="hydra.sweep.dir",
         job_subdir_key="hydra.sweep.subdir",
     )
+    if job_return.status == JobStatus.FAILED:
+        account = account_for(job_return._return_value)
+        if account is not None:
+            setattr(job_return, ACCOUNT_ATTR, account)
+    return job_return
 
 
 def pickled_return(job_return: JobReturn) -> bytes:

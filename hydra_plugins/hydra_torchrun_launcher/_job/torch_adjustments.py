@@ -5,13 +5,18 @@ and nothing else, so they never touch the launcher or another job. Each checks t
 torch it finds has the shape it was written against (checked on torch 2.6 to 2.15) and
 otherwise leaves torch alone, with one warning where a documented promise then does not hold.
 
-- `PContext.close` (torch.distributed.elastic.multiprocessing.api, public), only where
-  `LaunchConfig` has no `shutdown_timeout` field (torch before 2.12, which has neither the
-  field nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT): the agent stops its ranks through it without a
-  timeout, so they get its default 30 s between the graceful signal and SIGKILL. Here its
-  documented `timeout` argument defaults to the job's `shutdown_timeout` instead, as the
-  field does where torch has it.
+- `PContext.close` (torch.distributed.elastic.multiprocessing.api, public): the agent stops
+  its ranks through it. Before it does, the ranks already ended with a failure (the
+  `returncode` of a `SubprocessContext`'s public `subprocess_handlers`) are told to
+  `_job.failures` as the job's first cause, which a stop signal coming during the shutdown
+  then does not override. And only where `LaunchConfig` has no `shutdown_timeout` field
+  (torch before 2.12, which has neither the field nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT), the
+  agent calls it without a timeout, so the ranks get its default 30 s between the graceful
+  signal and SIGKILL: here its documented `timeout` argument defaults to the job's
+  `shutdown_timeout` instead, as the field does where torch has it.
 
+- `PContext.start` (public): the agent starts (or restarts) its ranks through it; a failure
+  seen before a restart is not the job's first cause any more (`_job.failures`).
 - `ProcessContext.join` (torch.multiprocessing.spawn, public): on a rank's failure torch's
   agent calls it without a grace period, and it then waits a hard-coded 30 s between
   SIGTERM and SIGKILL, so a survivor that handles SIGTERM (Lightning, any
@@ -20,7 +25,9 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   SIGTERM as soon as the failure is seen: a survivor that ignores SIGTERM is killed at
   most 2 x shutdown_timeout after the failure. torch then names the first dead rank it
   finds among the ones it still watches (`sentinels`, a public attribute): here only the
-  failed ones, so a survivor ended by that SIGTERM is never taken for the cause.
+  failed ones, so a survivor ended by that SIGTERM is never taken for the cause. The
+  failed ranks (`processes`, public) are told to `_job.failures` first, as with `close`:
+  torch reports one failed rank of a multiprocessing context, the job's error names them all.
 - `dynamic_rendezvous.get_method_name` (public in its module): names the calling method for
   rendezvous event records, through two `inspect.stack()` calls that read the source of
   every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
@@ -34,7 +41,9 @@ otherwise leaves torch alone, with one warning where a documented promise then d
 import inspect
 import logging
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
+
+from . import failures
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +51,8 @@ log = logging.getLogger(__name__)
 def adjust_torch_for_this_job(shutdown_timeout: int, single_node: bool, close_timeout: bool) -> None:
     """`close_timeout`: torch's LaunchConfig cannot carry shutdown_timeout, `PContext.close` does."""
     _join_within_shutdown_timeout(shutdown_timeout)
-    if close_timeout:
-        _close_within_shutdown_timeout(shutdown_timeout)
+    _close_after_noting_failures(shutdown_timeout if close_timeout else None)
+    _note_attempts()
     _cheap_method_names()
     if single_node:
         _no_skew_delay()
@@ -61,9 +70,12 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
         return
 
     def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
+        failures.rank_exits_from(lambda: {i: (p.pid, p.exitcode) for i, p in enumerate(self.processes)})
         if grace_period is None:
             failed = {s: i for s, i in self.sentinels.items() if self.processes[i].exitcode not in (None, 0)}
             if failed:
+                dead = {i: self.processes[i] for i in failed.values()}
+                failures.ranks_failed({i: (p.pid, p.exitcode) for i, p in dead.items()})
                 # a rank failed: the survivors get the graceful signal now, not after a grace period
                 for process in self.processes:
                     if process.is_alive():
@@ -85,17 +97,51 @@ def close_takes_a_timeout() -> bool:
     return list(inspect.signature(PContext.close).parameters) == ["self", "death_sig", "timeout"]
 
 
-def _close_within_shutdown_timeout(seconds: int) -> None:
+def _close_after_noting_failures(seconds: Optional[int]) -> None:
+    """`PContext.close`, after telling `_job.failures` which ranks had failed (subprocess ranks:
+    a launch prefix, a script); with `seconds` as its default timeout where torch's agent
+    passes none (see the module's docstring)."""
     from torch.distributed.elastic.multiprocessing.api import PContext
 
     if not close_takes_a_timeout():
         return  # check_supported refused a shutdown_timeout this torch cannot honour
     original = PContext.close
 
+    def exits(context: Any) -> Dict[int, Tuple[int, Optional[int]]]:
+        handlers = getattr(context, "subprocess_handlers", None)
+        if not isinstance(handlers, dict):
+            return {}
+        return {rank: (handler.proc.pid, handler.proc.returncode) for rank, handler in handlers.items()}
+
     def close(self: Any, death_sig: Any = None, timeout: Optional[int] = None) -> None:
-        original(self, death_sig, seconds if timeout is None else timeout)
+        now = exits(self)
+        if now:
+            failures.rank_exits_from(lambda: exits(self))
+            failures.ranks_failed(
+                {rank: (pid, code) for rank, (pid, code) in now.items() if code not in (None, 0)}  # type: ignore[misc]
+            )
+        if timeout is None:
+            timeout = seconds
+        if timeout is None:
+            original(self, death_sig)
+        else:
+            original(self, death_sig, timeout)
 
     PContext.close = close  # type: ignore[method-assign]
+
+
+def _note_attempts() -> None:
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.start
+    if list(inspect.signature(original).parameters) != ["self"]:
+        return  # a torch that starts its ranks some other way: a restart keeps an earlier failure noted
+
+    def start(self: Any) -> None:
+        failures.attempt_starting()
+        original(self)
+
+    PContext.start = start  # type: ignore[method-assign]
 
 
 def _cheap_method_names() -> None:

@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .._job.launch_config import local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
 from .._job.process import JobRequest, encode_request, without_bookkeeping
+from .._rank.error import ended_by_stop
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
@@ -392,6 +393,8 @@ class _Launch:
         self.report.started(plan.idx, at=since)
 
     def ended(self, plan: JobPlan, job_return: JobReturn, stopped: bool) -> None:
+        if job_return.overrides is None:  # a job whose process died before it could return one
+            job_return.overrides = list(plan.overrides)  # Hydra's last word names the job's
         status = _status_of(job_return, stopped)
         if status == COMPLETED and self.writes:
             save_return(plan.output_dir, job_return)
@@ -424,6 +427,9 @@ def _status_of(job_return: JobReturn, stopped: bool) -> str:
         return COMPLETED
     if isinstance(job_return._return_value, JobPreempted):
         return PREEMPTED
+    said = ended_by_stop(job_return)  # the job's own word: a stop ended it, or its failure came first
+    if said is not None:
+        return STOPPED if said else FAILED
     return STOPPED if stopped else FAILED
 
 

@@ -222,7 +222,7 @@ class SweepReport:
             outcome.error = None
         else:
             outcome.return_value = None
-            outcome.error = failure_summary(job_return._return_value)
+            outcome.error = failure_summary(job_return)
         self._ended.append(num)
         # the launch's last job: the summary is rewritten now, whatever the time
         last = len(self._ended) >= len(self._to_run)

@@ -9,24 +9,36 @@ exception of the chain pickled on its own, with its frames as (file, function, l
 the job's process rebuilds it with a traceback of stand-in frames that point at the same
 source lines; the trip from the job's process to the launcher keeps them the same way.
 
+Any exception travels, whatever its pickling does: one whose `__reduce__` drops its
+attributes and notes (pydantic's `ValidationError`) gets them back from copies carried beside
+it; one that cannot be pickled whole, or whose constructor takes other arguments than its
+`args` (required keyword-like parameters), is rebuilt as its own type from its class and
+`args` without calling `__init__`; one whose class cannot be had at all becomes a
+`RuntimeError` naming it. Its frames and chain come along every time.
+
 The job's error is still said first as "rank 1 (local_rank 1, pid N) exited with code 1":
 in the launcher's line and table (`failure_summary`) and as the exception's first note.
-A failure with no Python exception (a signal, an exit code, a script) stays a
-`_job.failures.JobFailedError`.
+That account (`FailureAccount`) travels beside the exception, on the JobReturn, never on the
+exception alone, whose pickling it would otherwise depend on. A failure with no Python
+exception (a signal, an exit code, a script) stays a `_job.failures.JobFailedError`.
 """
 
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType, TracebackType
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import cloudpickle
 
 # beside torch's error file of the rank (TORCHELASTIC_ERROR_FILE)
 EXCEPTION_FILE = "hydra_torchrun_exception.pkl"
-# the launcher's one-paragraph account of the failure (rank first), kept on the exception
+# the launcher's one-paragraph account of the failure (rank first): set on the job's error
+# where it is made and where it arrives, for code that reads it there; it travels as
+# ACCOUNT_ATTR, an attribute of the JobReturn
 SUMMARY_ATTR = "hydra_torchrun_summary"
+ACCOUNT_ATTR = "hydra_torchrun_failure"
 _MAX_CHAIN = 32
 
 _Frames = List[Tuple[str, str, int]]
@@ -57,28 +69,66 @@ def _frames(tb: Optional[TracebackType]) -> _Frames:
     return frames
 
 
-def _pickled(error: BaseException) -> Optional[bytes]:
-    """The exception alone (args, attributes, notes), if it survives the trip unchanged."""
+def _dumps(value: Any) -> Optional[bytes]:
+    try:
+        return cloudpickle.dumps(value)
+    except Exception:
+        return None
+
+
+def _pickled(error: BaseException) -> "Tuple[Optional[bytes], List[str]]":
+    """The exception pickled alone, if it comes back as its own type with its message; and
+    the names of its attributes that the trip loses (a `__reduce__` that keeps only `args`)."""
     try:
         data = cloudpickle.dumps(error)
         back = pickle.loads(data)
         same = type(back) is type(error) and str(back) == str(error)
     except Exception:
-        return None
-    return data if same else None
+        return None, list(_attributes(error))
+    if not same:
+        return None, list(_attributes(error))
+    kept = getattr(back, "__dict__", {})
+    return data, [name for name in _attributes(error) if name not in kept]
+
+
+def _attributes(error: BaseException) -> Dict[str, Any]:
+    """The exception's own attributes, less its notes and the launcher's summary (carried apart)."""
+    return {
+        name: value
+        for name, value in getattr(error, "__dict__", {}).items()
+        if name not in ("__notes__", SUMMARY_ATTR)
+    }
+
+
+def _notes(error: BaseException) -> Optional[List[str]]:
+    notes = getattr(error, "__notes__", None)
+    return [note for note in notes if isinstance(note, str)] if isinstance(notes, list) else None
 
 
 def _node(error: BaseException, tb: Optional[TracebackType]) -> Tuple[Any, ...]:
+    """(the exception pickled whole or None, its type's name, its message, its frames, and
+    beside it what rebuilds it when it does not come back whole: its notes, its class, its
+    args and the attributes its pickling loses, each pickled on its own)."""
     kind = type(error)
-    return (_pickled(error), f"{kind.__module__}.{kind.__qualname__}", str(error), _frames(tb))
+    data, lost = _pickled(error)
+    attributes = _attributes(error)
+    beside: Dict[str, Any] = {
+        "notes": _notes(error),
+        "class": None if data is not None else _dumps(kind),
+        "args": None if data is not None else _dumps(error.args),
+        "attributes": {name: _dumps(attributes[name]) for name in lost},
+    }
+    try:
+        message = str(error)
+    except Exception:
+        message = "<its message could not be read>"
+    return (data, f"{kind.__module__}.{kind.__qualname__}", message, _frames(tb), beside)
 
 
 def freeze(error: BaseException, tb: Optional[TracebackType]) -> Optional[bytes]:
     """The exception (with `tb` as its traceback) and its chain as bytes; None if it cannot travel."""
     try:
         head = _node(error, tb)
-        if head[0] is None:
-            return None
         chain = []
         seen = {id(error)}
         current = error
@@ -139,17 +189,66 @@ def _traceback(frames: _Frames) -> Optional[TracebackType]:
     return tb
 
 
-def _rebuilt(node: Tuple[Any, ...]) -> BaseException:
-    data, type_name, message, frames = node
-    error: Optional[BaseException] = None
-    if data is not None:
+def _loads(data: Optional[bytes]) -> Any:
+    if data is None:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:
+        return None
+
+
+def _from_parts(beside: Dict[str, Any], message: str) -> Optional[BaseException]:
+    """The exception rebuilt as its own class from its `args`, without its `__init__` (which
+    may take other arguments): as pickle rebuilds an object, when its own pickling fails."""
+    kind = _loads(beside.get("class"))
+    args = _loads(beside.get("args"))
+    if not isinstance(kind, type) or not issubclass(kind, BaseException) or not isinstance(args, tuple):
+        return None
+    try:
+        error = kind.__new__(kind, *args)
+        error.args = args
+        _restore(error, beside)
+        if str(error) != message:
+            return None
+    except Exception:
+        return None
+    return error
+
+
+def _restore(error: BaseException, beside: Dict[str, Any]) -> None:
+    """The attributes and notes the exception's pickling lost, put back."""
+    for name, data in beside.get("attributes", {}).items():
+        value = _loads(data)
+        if data is None or (value is None and data != _NONE):
+            continue
         try:
-            error = pickle.loads(data)
+            if name not in getattr(error, "__dict__", {}):
+                setattr(error, name, value)
         except Exception:
-            error = None
+            pass
+    notes = beside.get("notes")
+    if notes is not None and _notes(error) != notes:
+        try:
+            error.__notes__ = list(notes)  # type: ignore[attr-defined]
+        except Exception:
+            pass
+
+
+_NONE = cloudpickle.dumps(None)
+
+
+def _rebuilt(node: Tuple[Any, ...]) -> BaseException:
+    data, type_name, message, frames, beside = node
+    error = _loads(data)
+    if isinstance(error, BaseException):
+        _restore(error, beside)
+    else:
+        error = _from_parts(beside, message)
     if error is None:
         # a type the launcher cannot import: its name and message, as the rank printed them
         error = RuntimeError(f"{type_name}: {message}")
+        _restore(error, {"notes": beside.get("notes")})
     return error.with_traceback(_traceback(frames))
 
 
@@ -168,9 +267,15 @@ def thaw(data: bytes) -> BaseException:
 
 
 def with_summary(error: BaseException, summary: str, note: str) -> BaseException:
-    """The rank's exception, told as the launcher tells a failure: `summary` kept, `note` added first."""
+    """The rank's exception, told as the launcher tells a failure: `note` added first (what
+    Python prints under it), `summary` set on it for code of this process that reads it.
+    Neither is needed for the trip to the launcher: the account travels as a
+    `FailureAccount`, and the notes beside the exception (`freeze`)."""
     try:
         setattr(error, SUMMARY_ATTR, summary)
+    except Exception:
+        pass
+    try:
         notes = getattr(error, "__notes__", None)
         if not isinstance(notes, list):
             notes = []
@@ -180,35 +285,92 @@ def with_summary(error: BaseException, summary: str, note: str) -> BaseException
     return error
 
 
-def failure_summary(error: Any) -> str:
-    """A failed job's account, rank first: the launcher's summary when it has one, else the error."""
+@dataclass(frozen=True)
+class FailureAccount:
+    """The launcher's account of a failed job, carried beside its error on the JobReturn.
+
+    `summary`: what the job's line, the table and `sweep_summary.json` say, the first cause
+    first (the failed rank, how, its exception, every other failed rank, where their output
+    is). `stopped`: the job ended because the sweep was stopped (Ctrl-C, SIGTERM), not by a
+    failure of its own; a stop that came after a failure leaves it False (the failure came
+    first: the job is FAILED, and its summary says the stop after it).
+    """
+
+    summary: str
+    stopped: bool = False
+
+
+def account_of(failed: Any) -> Optional[FailureAccount]:
+    """The account a failed JobReturn carries, if its job's process gave it one."""
+    account = getattr(failed, ACCOUNT_ATTR, None)
+    return account if isinstance(account, FailureAccount) else None
+
+
+def ended_by_stop(job_return: Any) -> Optional[bool]:
+    """For the launcher's record of a failed job: True when the job says a stop ended it
+    (STOPPED), False when it says it failed on its own first (FAILED, a stop after that
+    included), None when it says nothing (the job's process died before it could)."""
+    account = account_of(job_return)
+    return None if account is None else account.stopped
+
+
+def failure_summary(failed: Any) -> str:
+    """A failed job's account, rank first: of a JobReturn (the account it carries, else its
+    error's) or of an error (the summary set on it, else its message)."""
+    account = account_of(failed)
+    if account is not None:
+        return account.summary
+    error = failed._return_value if hasattr(failed, "_return_value") and hasattr(failed, "status") else failed
     summary = getattr(error, SUMMARY_ATTR, None)
     return summary if isinstance(summary, str) else str(error)
 
 
-class _JobReturnPickler(cloudpickle.Pickler):
-    """Pickles a JobReturn; its error (when Hydra leaves it in place) goes with its frames and chain.
+def _rebuild_job_return(kind: type, state: Dict[str, Any], frozen: bytes) -> Any:
+    """The JobReturn as the job's process sent it: its error thawed (its frames, chain, notes
+    and lost attributes back), and the account, where it has one, set on the error too."""
+    job_return = kind.__new__(kind)
+    job_return.__dict__.update(state)
+    error = thaw(frozen)
+    account = account_of(job_return)
+    if account is not None:
+        try:
+            setattr(error, SUMMARY_ATTR, account.summary)
+        except Exception:
+            pass
+    job_return._return_value = error
+    return job_return
 
-    Hydra 1.4's JobReturn carries its error's traceback and chain itself (it swaps the
-    error out in `__getstate__`); Hydra 1.3's does not, and this pickler adds them.
+
+class _JobReturnPickler(cloudpickle.Pickler):
+    """Pickles a JobReturn whose error goes frozen (`freeze`): its type, frames, chain and
+    notes kept on every Hydra, whatever the exception's own pickling does.
+
+    Hydra 1.4's JobReturn pickles its error itself (`__getstate__`), and falls back to a
+    `RuntimeError` when the exception does not come back equal (a `__reduce__` that drops
+    its notes); Hydra 1.3's keeps neither traceback nor chain. Here the JobReturn's fields
+    travel as they are, its error frozen beside them.
     """
 
-    def __init__(self, file: Any, error: Any) -> None:
+    def __init__(self, file: Any, job_return: Any) -> None:
         super().__init__(file)
-        self._error = error
+        self._job_return = job_return
 
     def reducer_override(self, obj: Any) -> Any:
-        if obj is self._error and isinstance(obj, BaseException):
-            data = freeze(obj, obj.__traceback__)
-            if data is not None:
-                return thaw, (data,)
+        if obj is self._job_return:
+            error = getattr(obj, "_return_value", None)
+            if isinstance(error, BaseException):
+                frozen = freeze(error, error.__traceback__)
+                if frozen is not None:
+                    state = dict(vars(obj))
+                    state["_return_value"] = None
+                    return _rebuild_job_return, (type(obj), state, frozen)
         return super().reducer_override(obj)
 
 
 def dumps_job_return(job_return: Any) -> bytes:
-    """cloudpickle.dumps(job_return), its error's traceback and chain kept on every Hydra."""
+    """cloudpickle.dumps(job_return), its error's traceback, chain and notes kept on every Hydra."""
     import io
 
     buffer = io.BytesIO()
-    _JobReturnPickler(buffer, getattr(job_return, "_return_value", None)).dump(job_return)
+    _JobReturnPickler(buffer, job_return).dump(job_return)
     return buffer.getvalue()

@@ -17,10 +17,10 @@ import inspect
 import logging
 import os
 import socket
-import tempfile
 from multiprocessing import forkserver
 from typing import Callable, Optional
 
+from .._shared.private import SOCKET_DIR_PARENT, SOCKET_DIR_PREFIX, private_dir
 from .._shared.signals import ignored_group_signals, take_dispositions
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
     own_dir = None
     address = os.path.join(socket_dir, "forkserver")
     if len(os.fsencode(address)) > _MAX_SOCKET_PATH:  # a long TMPDIR: a short private dir of its own
-        own_dir = tempfile.mkdtemp(prefix="htl-", dir="/tmp")
+        own_dir = private_dir(SOCKET_DIR_PREFIX, SOCKET_DIR_PARENT)
         address = os.path.join(own_dir, "forkserver")
     listener.bind(address)
     os.chmod(address, 0o600)

@@ -18,7 +18,7 @@ import sys
 from typing import Dict, List
 
 from hydra_plugins.hydra_torchrun_launcher._shared.lifetime import die_with_parent
-from hydra_plugins.hydra_torchrun_launcher._shared.stop_files import note_rank_started
+from hydra_plugins.hydra_torchrun_launcher._shared.stop_files import note_rank_process, note_rank_started
 
 
 def substitute_rank(args: List[str], environ: Dict[str, str]) -> List[str]:
@@ -40,6 +40,7 @@ def _exec(spec_path: str) -> None:
         # the stop signal is the job process's to act on (SLURM sends it to every process)
         signal.signal(spec["ignore_signal"], signal.SIG_IGN)
     note_rank_started()
+    note_rank_process(dumps=False)  # this pid runs the rank's program: a script, or a prefix
     command = substitute_rank(spec["command"], dict(os.environ))
     os.execvp(command[0], command)
 

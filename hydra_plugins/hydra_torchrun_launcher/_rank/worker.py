@@ -12,6 +12,7 @@ the cases the script does not define by name (lambdas, closures, partials).
 """
 
 import copy
+import faulthandler
 import inspect
 import os
 import signal
@@ -33,7 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import RankPayload
 from .._shared.private import flush_loggers as _flush_loggers
-from .._shared.stop_files import note_rank_started
+from .._shared.signals import group_signals
+from .._shared.stop_files import DUMP_SIGNAL, note_rank_process, note_rank_started
 from .error import write_rank_exception
 from .forkserver import drop_inherited_forkserver
 from .preloaded import redo_reads_at_import
@@ -52,6 +54,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     tempfile.tempdir = None  # the job process's own (its private dir): TMPDIR, as in a fresh interpreter
     drop_inherited_forkserver()
     note_rank_started()
+    _dump_stack_on_request()
     for entry in reversed(sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
@@ -91,6 +94,17 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             f"the task function's return value ({type(value).__name__}) cannot be pickled "
             f"to send it back to the launcher: {e}"
         ) from e
+
+
+def _dump_stack_on_request() -> None:
+    """On `DUMP_SIGNAL` this rank writes where each of its threads is to its stderr (the rank's
+    log), even when it is stuck in C code: the job's process asks it of the ranks still running
+    when it stops them past `job_timeout`, before they are killed."""
+    try:
+        faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return  # no usable stderr: the rank is named without its stack
+    note_rank_process(dumps=True)
 
 
 def _tell_failure(error: BaseException, tb: Optional[TracebackType]) -> None:
@@ -197,6 +211,14 @@ def scanned_folders(path: Iterable[str]) -> List[str]:
     return list(dict.fromkeys(os.path.realpath(entry) for entry in path))
 
 
+class _StoppedLingering(BaseException):
+    pass
+
+
+def _stop_lingering(signum: int, frame: Any) -> None:
+    raise _StoppedLingering()
+
+
 def _linger_before_failing(grace_s: float) -> None:
     """Keep a failing rank's process alive for `grace_s` (two of the agent's polls).
 
@@ -205,6 +227,28 @@ def _linger_before_failing(grace_s: float) -> None:
     `monitor_interval`, names the lowest rank among those it finds dead. Each failing rank
     lingering alike keeps the one that failed first dead alone at the agent's next poll,
     so the job's error is the root cause, not a peer's "connection reset".
+
+    The agent's signal (another rank was found dead first, or the job is stopped) ends the
+    wait: the rank then exits as it would have, with its own failure (its error file
+    written), so the job's error names it too ("also failed"), not as a survivor stopped.
     """
-    if grace_s > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if grace_s <= 0 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    stops = [sig for sig in group_signals() if signal.getsignal(sig) != signal.SIG_IGN]
+    try:
+        previous = {sig: signal.signal(sig, _stop_lingering) for sig in stops}
+    except (ValueError, OSError):  # not the main thread: the plain wait
         time.sleep(grace_s)
+        return
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    try:
+        try:
+            time.sleep(grace_s)
+        finally:
+            restore()
+    except _StoppedLingering:  # (also when it came as the wait ended)
+        restore()

@@ -15,9 +15,16 @@ status. Nothing is ever put into a shell string; the payload never touches the d
 
 The server ignores the signals a terminal or a scheduler sends to a whole process group:
 the launcher decides what they mean, and each job process is given the launcher's own
-dispositions back. It dies with the launcher (parent-death signal, or the socket closing).
+dispositions back. It ends with the launcher: the launcher closes its socket as it exits
+and reaps it (or the parent-death signal ends it, after a launcher killed outright).
+
+It outlives its job processes: one killed outright (a second Ctrl-C, the launcher's
+backstop past `job_timeout`, the OOM killer) cannot remove its private directory, so the
+server removes what such dead processes left as it reaps them, and, as it starts, what an
+earlier run's left (`_shared.private.remove_dead_private_dirs`).
 """
 
+import atexit
 import os
 import pickle
 import signal
@@ -30,6 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .._rank.preloaded import REDONE_IN_RANK
 from .._shared.lifetime import die_with_parent
+from .._shared.private import remove_dead_private_dirs
 from .._shared.signals import group_signals
 from .watch import watched_import
 
@@ -60,6 +68,7 @@ def serve(fd: int) -> None:
     die_with_parent()
     for sig in group_signals():
         signal.signal(sig, signal.SIG_IGN)
+    _remove_what_dead_jobs_left()  # an earlier run's, killed outright
     sock = socket.socket(fileno=fd)
     sys_path, preload = _recv_frame(sock)
     sys.path[:] = [p for p in sys_path if p] + [p for p in sys.path if p not in sys_path]
@@ -157,7 +166,16 @@ def _reap(sock: socket.socket, children: Set[int]) -> None:
             return
         if pid in children:
             children.discard(pid)
+            if status != 0:  # it may have died without removing its private dir
+                _remove_what_dead_jobs_left()
             sock.sendall(_PID_MESSAGE.pack(b"X", pid, status))
+
+
+def _remove_what_dead_jobs_left() -> None:
+    try:
+        remove_dead_private_dirs()
+    except Exception:
+        pass  # never a reason to fail a sweep
 
 
 def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[str, Any]:
@@ -246,6 +264,7 @@ class WarmServer:
 
     def __init__(self, sys_path: List[str], preload: Tuple[str, ...]) -> None:
         self.key = (tuple(sys_path), preload)
+        self._owner = os.getpid()  # a process forked from the launcher has no server of its own
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         try:
@@ -324,15 +343,44 @@ class WarmServer:
             else:
                 self.exited[pid] = status
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
+        """End the server: it exits as its socket closes, at once when idle (between jobs).
+        With `timeout`, one still importing its preload is killed at once (it holds nothing
+        but imports), and one that has not ended after `timeout` s too."""
         self._sock.close()
-        self._process.wait()
+        if os.getpid() != self._owner:
+            return
+        try:
+            if timeout is not None and self._report is None:
+                self._process.kill()
+            self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 _server: Optional[WarmServer] = None
 _server_lock = threading.Lock()
 # modules found unfit to preload (see `_server.watch`): never preloaded again by this launcher
 _left_out: Set[str] = set()
+# how long the app's exit waits for an idle server to end by itself before it is killed
+_EXIT_WAIT_S = 1.0
+
+
+def _close_at_exit() -> None:
+    """The app ends: its server ends with it, reaped here (not left running to the
+    parent-death signal, its socket and process unclosed as the interpreter goes). An idle
+    server ends at once when its socket closes; one still importing its preload is killed."""
+    global _server
+    server, _server = _server, None
+    if server is not None:
+        try:
+            server.close(timeout=_EXIT_WAIT_S)
+        except Exception:
+            pass
+
+
+atexit.register(_close_at_exit)
 
 
 def warm_server(preload: Tuple[str, ...] = ()) -> WarmServer:

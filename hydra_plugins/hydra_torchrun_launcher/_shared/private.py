@@ -1,14 +1,30 @@
-"""Every private name of torch, multiprocessing or Hydra the launcher relies on, in one list.
+"""What is private to the launcher: the names of others it relies on, and its own directories.
 
-A private name can go in any release. Each use is guarded where it is made: when the name
-is missing (or has another shape) the launcher degrades as `PRIVATE_NAMES` says, with one
-clear line where a documented promise no longer holds; it never crashes in every rank.
-`tests/test_private_names.py` checks every entry against the installed versions, so CI
-on the oldest and newest supported releases says when one went away.
+Private names. Every private name of torch, multiprocessing or Hydra the launcher relies
+on, in one list. A private name can go in any release. Each use is guarded where it is
+made: when the name is missing (or has another shape) the launcher degrades as
+`PRIVATE_NAMES` says, with one clear line where a documented promise no longer holds; it
+never crashes in every rank. `tests/test_private_names.py` checks every entry against the
+installed versions, so CI on the oldest and newest supported releases says when one went
+away.
+
+Private directories. Each job's process keeps its stop files, its ranks' payload and its
+forkserver's socket in a directory of its own in the temp dir (0700), removed when the job
+ends (`private_dir`). A process killed with SIGKILL cannot remove it, so its name says whose
+it is, `hydra_torchrun_<pid>-<start time>-<boot>_XXXXXXXX` (`<boot>`: the start of the
+machine's boot id, so that a temp dir shared by several hosts never has one host judge
+another's pids), and whoever outlives that process (the warm server that forked it, the next
+run's, a SLURM node's next job) removes the directories of this user whose owner is gone
+(`remove_dead_private_dirs`); one whose owner still runs, another user's, one made on another
+host or boot, or one whose name says no owner, is never touched.
 """
 
 import logging
-from typing import Any, Callable, NamedTuple, Optional, Type
+import os
+import shutil
+import stat
+import tempfile
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Tuple, Type
 
 # the releases every entry was checked on
 CHECKED_ON = (
@@ -137,3 +153,111 @@ def logs_specs_class(name: str) -> Type[Any]:
     if not found:
         raise ValueError(f"Could not find entrypoint under 'torchrun.logs_specs[{name}]' key")
     return found[0].load()
+
+
+# ------------------------------------------------------------------ private directories
+
+PRIVATE_DIR_PREFIX = "hydra_torchrun_"
+# a forkserver socket's dir of its own when the temp dir's path is too long for a socket
+SOCKET_DIR_PREFIX = "htl-"
+SOCKET_DIR_PARENT = "/tmp"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat), which tells it
+    from a later process given the same pid; None without /proc or without the process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == b"Z":
+        return None  # ended, not yet reaped: it uses nothing any more
+    return fields[19].decode()
+
+
+def _boot() -> Optional[str]:
+    """This machine's boot, as the start of its boot id (pids and start times are its own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:8]
+    except OSError:
+        return None
+    return boot if boot.isalnum() else None
+
+
+def private_dir(prefix: str = PRIVATE_DIR_PREFIX, parent: Optional[str] = None) -> str:
+    """A new directory of this process's own (0700), its name saying whose it is."""
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{prefix}{pid}-{_start_time(pid) or 0}-{_boot() or 'x'}_", dir=parent)
+
+
+def _owner(name: str, prefix: str) -> Optional[Tuple[int, str]]:
+    """(pid, start time) of the process of this machine's boot whose private dir `name` is;
+    None if it names none, or one of another host or boot."""
+    if not name.startswith(prefix):
+        return None
+    owner, _, rest = name[len(prefix) :].partition("_")
+    pid, started, boot = (owner.split("-") + ["", "", ""])[:3]
+    if not rest or not pid.isdigit() or not started.isdigit() or owner.count("-") != 2:
+        return None
+    if _boot() is None or boot != _boot():
+        return None
+    return int(pid), started
+
+
+def _owner_gone(pid: int, started: str) -> bool:
+    now = _start_time(pid)
+    if now is not None:
+        return started != "0" and now != started  # its pid now belongs to a later process
+    if os.path.isdir("/proc"):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _temp_dir() -> str:
+    """The temp dir as a fresh interpreter of this environment finds it (TMPDIR, ...),
+    without setting this process's `tempfile.tempdir` (processes forked later read it)."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = None
+    try:
+        return tempfile.gettempdir()
+    finally:
+        tempfile.tempdir = saved
+
+
+def remove_dead_private_dirs(parents: Optional[Iterable[str]] = None) -> List[str]:
+    """Remove this user's private dirs whose owner process is gone; the paths removed.
+
+    Looked for in `parents` (by default the temp dir and, for forkserver sockets, /tmp).
+    """
+    if parents is None:
+        parents = [_temp_dir(), SOCKET_DIR_PARENT]
+    removed = []
+    uid = os.getuid()
+    for parent in dict.fromkeys(parents):
+        try:
+            names = os.listdir(parent)
+        except OSError:
+            continue
+        for name in names:
+            owner = _owner(name, PRIVATE_DIR_PREFIX) or _owner(name, SOCKET_DIR_PREFIX)
+            if owner is None or not _owner_gone(*owner):
+                continue
+            path = os.path.join(parent, name)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+    return removed

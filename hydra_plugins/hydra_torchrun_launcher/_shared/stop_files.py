@@ -7,14 +7,21 @@ a launch prefix, and on every node (each node's job process has its own):
 - `stop.started`: a rank of the job has started (a stop before that interrupts the job's
   rendezvous instead of waiting for ranks that never run);
 - `stop.seen`: a rank's `should_stop()` said True: the job stopped at a step boundary.
+And `ranks/<pid>` in the same private dir: each rank's process as it starts (its rank,
+local rank, attempt, and whether it dumps its stack on `DUMP_SIGNAL`), so that the job's
+process can name the ranks still running when it stops them, and ask those that can where
+they were (`_job.failures.deadline_report`).
 One more lives in the job dir, where it outlasts the job's process (a launcher killed with
 -9 takes its jobs with it): `.hydra/ranks_started`, made as the job's first rank starts, so a
 resumed sweep knows that the job's ranks ran there (and may have left a checkpoint).
 Imports nothing heavy: the rank-side API and `_rank.main`'s exec stage use it.
 """
 
+import json
 import os
-from typing import Optional
+import signal
+from dataclasses import dataclass
+from typing import List, Optional
 
 STOP_FILE_ENV = "HYDRA_TORCHRUN_STOP_FILE"
 RESUMED_ENV = "HYDRA_TORCHRUN_RESUMED"
@@ -23,6 +30,12 @@ SEEN = ".seen"
 # the job dir's mark that the job's ranks have started there (named to the ranks by env var)
 RANKS_STARTED_FILE = os.path.join(".hydra", "ranks_started")
 RANKS_STARTED_ENV = "HYDRA_TORCHRUN_RANKS_STARTED_FILE"
+# the dir of the ranks' process files (named to the ranks by env var)
+RANK_PROCESSES_ENV = "HYDRA_TORCHRUN_RANK_PROCESSES"
+# a rank of the launcher's dumps its Python stack (all threads) to its stderr on this signal:
+# a real-time one, which no library of a training (NCCL, Lightning's SLURM requeue: SIGUSR1)
+# takes for its own, and which the job's process sends only to a rank that registered it
+DUMP_SIGNAL = signal.SIGRTMIN + 6
 
 
 def stop_file() -> Optional[str]:
@@ -49,3 +62,77 @@ def note_rank_started() -> None:
     if mark and not os.path.exists(mark):
         os.makedirs(os.path.dirname(mark), exist_ok=True)
         touch(mark)
+
+
+@dataclass(frozen=True)
+class LiveRank:
+    rank: int
+    local_rank: int
+    pid: int
+    dumps: bool  # it dumps its stack on DUMP_SIGNAL
+
+
+def note_rank_process(dumps: bool) -> None:
+    """Called by a rank's process as it starts: it is rank RANK of this attempt, pid N."""
+    directory = os.environ.get(RANK_PROCESSES_ENV)
+    if not directory:
+        return
+    record = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        "dumps": dumps,
+    }
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        path = os.path.join(directory, str(os.getpid()))
+        tmp = f"{path}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)  # whole or not at all
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        if os.path.isdir("/proc"):
+            return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def ranks_of(directory: str, attempt: int, running: bool = False) -> List[LiveRank]:
+    """The ranks of `attempt` (with `running`: those whose process still runs), by rank; one
+    per rank: the process that dumps its stack, where a launch prefix runs in one of its own."""
+    found = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if record.get("attempt") != attempt or (running and not _alive(int(name))):
+            continue
+        rank = LiveRank(int(record["rank"]), int(record["local_rank"]), int(name), bool(record["dumps"]))
+        known = found.get(rank.rank)
+        if known is None or (rank.dumps and not known.dumps):
+            found[rank.rank] = rank
+    return [found[rank] for rank in sorted(found)]

@@ -49,7 +49,9 @@ from .._job.process import decode_request, pickled_return, run_request, without_
 from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
+from .._rank.error import ACCOUNT_ATTR, account_of
 from .._shared.plan import Rendezvous
+from .._shared.private import remove_dead_private_dirs
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .commands import duration_s
 from .files import (
@@ -81,6 +83,12 @@ class _NoCallbacks:
 
 def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> int:
     """Run this node's part of the job; `time_limit`: (signal_delay_s, max_num_timeout)."""
+    # what an earlier job's process on this node left when it was killed outright (the OOM
+    # killer, a second scancel): this node's process outlives it
+    try:
+        remove_dead_private_dirs()
+    except Exception:
+        pass  # never a reason to fail a job
     idx = int(environ["SLURM_ARRAY_TASK_ID"])
     node = int(environ.get("SLURM_NODEID", "0"))
     request = decode_request(read_private(request_file(directory, idx)))
@@ -145,11 +153,17 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
 
 
 def _with_error_of(job_return: JobReturn, pickled: bytes) -> JobReturn:
-    """Node 0's JobReturn with the error another node failed with first (a rank's own exception)."""
+    """Node 0's JobReturn with the error another node failed with first (a rank's own
+    exception), and that node's account of it (`_rank.error.FailureAccount`), which travels
+    beside the error."""
     import cloudpickle
 
+    first = cloudpickle.loads(pickled)
     failed = dataclasses.replace(job_return, status=JobStatus.FAILED)
-    failed.return_value = cloudpickle.loads(pickled)._return_value
+    failed.return_value = first._return_value
+    account = account_of(first)
+    if account is not None:
+        setattr(failed, ACCOUNT_ATTR, account)
     return failed
 
 
