@@ -53,6 +53,21 @@ def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
     return checked_settings(TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()}))
 
 
+def placed_job_settings(raw: Dict[str, Any], nodes: int, first_node_endpoint: str) -> JobSettings:
+    """The settings of a job that a runner places on `nodes` nodes of its own (SLURM's, the
+    hosts'): `raw`, the per-job keys, read as the torchrun launcher reads them, the job's
+    rendezvous on its first node; a node count refused is named by the launcher's key, `nodes`."""
+    raw = dict(raw, nnodes=nodes, cluster="none", preload=[], requeue=False)
+    if nodes > 1:
+        raw.update(rdzv_backend="c10d", rdzv_endpoint=first_node_endpoint)
+    try:
+        return resolve_settings(OmegaConf.create(raw))
+    except LauncherConfigError as e:
+        if "nnodes" in str(e):
+            raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
+        raise
+
+
 def checked_settings(conf: TorchrunLauncherConf) -> JobSettings:
     """`conf` checked (every key's value and how keys combine) and parsed into a job's settings."""
     min_nodes, max_nodes = parse_nnodes(conf.nnodes)

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._launcher.settings import resolve_settings
+from .._launcher.settings import placed_job_settings
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
 from ..config import SSH_KEYS, TorchrunSshLauncherConf
@@ -48,15 +48,7 @@ def split_launcher_config(launcher_cfg: DictConfig, launch_dir: str) -> "tuple[J
             f"(keys: {', '.join(known)})"
         )
     options = ssh_options(ssh, launch_dir)
-    raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
-    if options.nodes > 1:
-        raw.update(rdzv_backend="c10d", rdzv_endpoint=FIRST_HOST_ENDPOINT)
-    try:
-        settings = resolve_settings(OmegaConf.create(raw))
-    except LauncherConfigError as e:
-        if "nnodes" in str(e):
-            raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
-        raise
+    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT)
     return settings, options
 
 

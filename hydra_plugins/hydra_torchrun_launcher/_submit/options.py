@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._launcher.settings import resolve_settings
+from .._launcher.settings import placed_job_settings
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
 from ..config import SLURM_KEYS, TorchrunSlurmLauncherConf
@@ -101,15 +101,7 @@ def split_launcher_config(launcher_cfg: DictConfig) -> "tuple[JobSettings, Slurm
             )
     raw.pop("detach", None)  # the sweep's, not a job's: `_submit.slurm_runner` reads it
     _refuse_unknown(raw)
-    raw.update(nnodes=options.nodes, cluster="none", preload=[], requeue=False)
-    if options.nodes > 1:
-        raw.update(rdzv_backend="c10d", rdzv_endpoint=FIRST_NODE_ENDPOINT)
-    try:
-        settings = resolve_settings(OmegaConf.create(raw))
-    except LauncherConfigError as e:
-        if "nnodes" in str(e):
-            raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
-        raise
+    settings = placed_job_settings(raw, options.nodes, FIRST_NODE_ENDPOINT)
     return settings, options
 
 
