@@ -51,7 +51,7 @@ SWEEP_CLI_READS = {
     "_launcher.report",
     "_launcher.resume",
     "_launcher.lock",
-    "_submit.commands",
+    "_shared.slurm_commands",
     "_submit.files",
 }
 

@@ -155,7 +155,7 @@ def test_neither_command_imports_torch(local_sweep: Path) -> None:
     # what it does import: the launcher's record reader, SLURM's commands
     imported = _imported(status.stderr)
     assert "hydra_plugins.hydra_torchrun_launcher._launcher.resume" in imported
-    assert "hydra_plugins.hydra_torchrun_launcher._submit.commands" in imported
+    assert "hydra_plugins.hydra_torchrun_launcher._shared.slurm_commands" in imported
     cancel = _tool(local_sweep, "cancel", "sweep", importtime=True)
     _no_torch(cancel)
 

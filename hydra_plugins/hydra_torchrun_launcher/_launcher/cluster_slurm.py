@@ -21,18 +21,15 @@ there wherever a step runs: the hostlist syntax is SLURM's, and the one Python l
 that parses it is GPL-licensed, which this MIT package must not require.
 """
 
-import functools
 import shutil
-import subprocess
 from typing import Mapping, Optional, Tuple
 
+from .._shared import slurm_commands
 from .._shared.errors import LauncherConfigError
 from .cluster_layout import ClusterLayout, Detection, derived_port, int_var
 
 # slurm.h: ids above this are the special steps (pending, extern, batch, interactive)
 SLURM_MAX_NORMAL_STEP_ID = 0xFFFFFFF0
-# `scontrol show hostnames` answers at once; a hung one must not hang the launch
-SCONTROL_TIMEOUT_S = 60.0
 
 _STEP_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_STEP_NODELIST", "SLURM_NODEID")
 _IGNORE = "set hydra.launcher.cluster=none to ignore SLURM"
@@ -149,39 +146,20 @@ def expand(environ: Mapping[str, str], name: str, value: Optional[str] = None) -
     if "[" not in text:
         nodes = tuple(host.strip() for host in text.split(",") if host.strip())
     else:
-        scontrol = shutil.which("scontrol")
-        if scontrol is None:
+        if shutil.which("scontrol") is None:
             raise LauncherConfigError(
                 f"{name}={text!r} is a SLURM hostlist, and `scontrol` (SLURM's client, which expands "
                 f"it) is not on PATH; put SLURM's bin dir on PATH or {_IGNORE}"
             )
         try:
-            nodes = _scontrol_hostnames(scontrol, text)
-        except (OSError, subprocess.SubprocessError, ValueError) as e:
+            nodes = slurm_commands.hostnames(text)
+        except (OSError, slurm_commands.SlurmCommandError) as e:
             raise LauncherConfigError(
                 f"{name}={text!r}: `scontrol show hostnames` could not expand it ({e}); {_IGNORE}"
             ) from e
     if not nodes:
         raise LauncherConfigError(f"{name} is empty; {_IGNORE}")
     return nodes
-
-
-@functools.lru_cache(maxsize=64)
-def _scontrol_hostnames(scontrol: str, hostlist: str) -> Tuple[str, ...]:
-    """`scontrol show hostnames HOSTLIST` (an argv list, never a shell line), one host per
-    line; ValueError carrying scontrol's own first line of error when it fails."""
-    result = subprocess.run(
-        [scontrol, "show", "hostnames", hostlist],
-        capture_output=True,
-        text=True,
-        timeout=SCONTROL_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
-    if result.returncode != 0:
-        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-        why = lines[-1] if lines else f"exit status {result.returncode}"
-        raise ValueError(why)
-    return tuple(line.strip() for line in result.stdout.splitlines() if line.strip())
 
 
 def _job_id(environ: Mapping[str, str]) -> Optional[str]:

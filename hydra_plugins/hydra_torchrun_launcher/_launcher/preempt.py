@@ -17,7 +17,6 @@ import atexit
 import itertools
 import shutil
 import signal
-import subprocess
 import sys
 from contextlib import contextmanager
 from types import FrameType
@@ -26,9 +25,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from .._shared import slurm_commands
 from .._shared.signals import group_signals, handled_by, signals_named
-
-_SCONTROL_TIMEOUT_S = 60
 
 
 class StoppedBeforeJobs(Exception):
@@ -230,11 +228,12 @@ def requeue_slurm_job(environ: Mapping[str, str], job_id: Optional[str] = None) 
         return None
     if environ.get("SLURM_NODEID", "0") != "0":
         return f"node 0 requeues SLURM job {job_id} (hydra.launcher.requeue=auto)"
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
+    if shutil.which("scontrol") is None:
         return f"SLURM job {job_id} was not requeued: scontrol is not on PATH"
-    info = _scontrol([scontrol, "show", "job", "--oneliner", job_id])
-    fields = dict(item.split("=", 1) for item in info.stdout.split() if "=" in item)
+    try:
+        fields = slurm_commands.show_job(job_id) or {}
+    except slurm_commands.SlurmCommandError:
+        fields = {}  # `scontrol requeue`, next, says whether it can requeue the job
     if fields.get("BatchFlag") == "0":
         return f"SLURM job {job_id} is not a batch job and cannot be requeued; run the same command again"
     if fields.get("Requeue") == "0":
@@ -242,16 +241,13 @@ def requeue_slurm_job(environ: Mapping[str, str], job_id: Optional[str] = None) 
             f"SLURM job {job_id} was not requeued: it was submitted with --no-requeue "
             "(hydra.launcher.requeue=auto); submit it again with the same hydra.sweep.dir to resume"
         )
-    done = _scontrol([scontrol, "requeue", job_id])
-    if done.returncode != 0:
-        said = (done.stderr or done.stdout).strip().splitlines()
-        reason = said[-1] if said else f"exit code {done.returncode}"
-        return f"SLURM job {job_id} was not requeued: scontrol requeue said {reason!r}"
+    try:
+        said = slurm_commands.requeue(job_id)
+    except slurm_commands.SlurmCommandError as e:  # scontrol did not answer in time
+        said = str(e)
+    if said is not None:
+        return f"SLURM job {job_id} was not requeued: scontrol requeue said {said!r}"
     return f"SLURM job {job_id} is requeued: the sweep resumes when it runs again"
-
-
-def _scontrol(command: List[str]) -> "subprocess.CompletedProcess[str]":
-    return subprocess.run(command, capture_output=True, text=True, timeout=_SCONTROL_TIMEOUT_S, check=False)
 
 
 def react_to_stop(stopped: SweepStopped, summary: str) -> None:

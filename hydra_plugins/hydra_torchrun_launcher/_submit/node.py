@@ -52,8 +52,8 @@ from .._launcher.preempt import requeue_slurm_job
 from .._rank.error import ACCOUNT_ATTR, account_of
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
+from .._shared.slurm_commands import duration_s
 from .._shared.stop_files import RANKS_STARTED_FILE
-from .commands import duration_s
 from .files import (
     failure_file,
     read_private,

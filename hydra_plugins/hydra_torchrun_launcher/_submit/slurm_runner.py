@@ -27,13 +27,13 @@ from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
 from .._launcher.resume import PlannedResumption
 from .._launcher.runner import JobEvents, JobFeed, SweepDetached
+from .._shared import slurm_commands
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
-from . import commands
+from .._shared.slurm_commands import ENDED_STATES, JobState, SlurmCommandError
 from .batch_script import batch_script
-from .commands import ENDED_STATES, JobState, SlurmCommandError
 from .files import (
     failure_file,
     latest_runs,
@@ -249,7 +249,7 @@ class _Sweep:
                 stale.append(known["slurm_id"])
             fresh.append(plan)
         if stale:
-            said = commands.scancel(stale)
+            said = slurm_commands.scancel(stale)
             log.info(
                 f"Cancelled SLURM job(s) {', '.join(stale)} of an earlier run of another sweep{_said(said)}"
             )
@@ -269,7 +269,7 @@ class _Sweep:
             script = self.directory / f"jobs{jobs[0]}.sbatch"
             write_private(script, batch_script(slurm, jobs, self.directory, sweep_dir).encode())
             try:
-                array_id = commands.sbatch(script)
+                array_id = slurm_commands.sbatch(script)
             except (SlurmCommandError, OSError) as e:
                 asked = _asked(slurm)  # SLURM's words do not say which value it refused
                 for plan in group:
@@ -295,7 +295,7 @@ class _Sweep:
         if not recorded:
             return set()
         try:
-            states = commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
+            states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
         except SlurmCommandError:
             return None
         if states is None:
@@ -359,7 +359,7 @@ class _Sweep:
         failed because SLURM stopped it to requeue it shows a higher count already."""
         slurm_id = self.slurm_ids[idx]
         try:
-            found = commands.job_run(slurm_id)
+            found = slurm_commands.job_run(slurm_id)
         except SlurmCommandError as e:  # the result is judged again a little later
             log.warning(f"scontrol show job {slurm_id}: {e}; asking again later")
             self.judge_after[idx] = time.monotonic() + POLL_CONFIRM_S
@@ -405,7 +405,7 @@ class _Sweep:
         a moment, and a result may land between) is FAILED with SLURM's words."""
         self.polls += 1
         try:
-            states = commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
+            states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
         except SlurmCommandError as e:
             log.warning(f"squeue: {e}; asking again later")
             return
@@ -420,7 +420,7 @@ class _Sweep:
                     self._judge(by_idx[idx], attempt)
                 elif idx in self.ending:
                     if state is None:
-                        state = commands.sacct(slurm_id) or JobState(
+                        state = slurm_commands.sacct(slurm_id) or JobState(
                             "UNKNOWN", "SLURM no longer shows it", ""
                         )
                     self._lost(by_idx[idx], slurm_id, state, runs)
@@ -453,11 +453,11 @@ class _Sweep:
         """A job pending for a reason SLURM never lifts for it: cancelled, and FAILED with
         SLURM's reason (instead of a sweep that waits for ever)."""
         why = never_starts(
-            state.reason, self.nodes.get(idx, 1), lambda: commands.partition_nodes(state.partition)
+            state.reason, self.nodes.get(idx, 1), lambda: slurm_commands.partition_nodes(state.partition)
         )
         if why is None:
             return False
-        said = commands.scancel([slurm_id])
+        said = slurm_commands.scancel([slurm_id])
         message = (
             f"SLURM job {slurm_id} can never start ({state.reason}): {why}; it was cancelled{_said(said)}"
         )
@@ -530,7 +530,7 @@ class _Sweep:
                 self.slurm_ids.pop(idx)  # left out of the record's ending: still running
         if not ids:
             return f"no SLURM job (none of this command's was in flight){on}"
-        said = commands.scancel(ids)
+        said = slurm_commands.scancel(ids)
         for idx, slurm_id in list(self.slurm_ids.items()):
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
             self._end(idx, _failure(message), stopped=True)

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .._launcher.report import COMPLETED, job_numbers
+from .._shared import slurm_commands
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
-from .._submit import commands
-from .._submit.commands import SlurmCommandError
+from .._shared.slurm_commands import SlurmCommandError
 from .._submit.files import SLURM_DIR
 from .state import (
     DETACHED,
@@ -212,7 +212,7 @@ def cancel_jobs(sweep_dir: Path) -> "tuple[str, int]":
         return f"nothing to cancel: no SLURM job of {shown} is queued or running", 0
     ids = sorted(in_flight.values(), key=_id_order)
     try:
-        said = commands.scancel(ids)
+        said = slurm_commands.scancel(ids)
     except (LauncherConfigError, SlurmCommandError) as e:
         return str(e), 1
     what = f"{job_numbers(in_flight)} of {shown} (SLURM {_plural(len(ids))} {slurm_ids(ids)})"

@@ -3,7 +3,7 @@ SLURM jobs, one `squeue` call.
 
 The record is read only through `_launcher.resume.read_record` (what the launcher itself
 resumes from), the SLURM side only through `_submit.files` (the jobs in flight and the result
-files their nodes wrote) and `_submit.commands` (squeue, scancel). Nothing here imports torch,
+files their nodes wrote) and `_shared.slurm_commands` (squeue, scancel). Nothing here imports torch,
 nor anything that does: `torchrun-sweep` answers on a login node in a fraction of a second.
 """
 
@@ -22,10 +22,10 @@ from hydra.core.utils import filter_overrides
 from .._launcher.lock import LOCK_FILE, holder
 from .._launcher.report import COMPLETED, FAILED, RUNNING, SUMMARY_FILE, Record
 from .._launcher.resume import job_dir_of, read_record
+from .._shared import slurm_commands
 from .._shared.errors import LauncherConfigError
 from .._shared.paths import shown_path
-from .._submit import commands
-from .._submit.commands import ENDED_STATES, JobState, SlurmCommandError
+from .._shared.slurm_commands import ENDED_STATES, JobState, SlurmCommandError
 from .._submit.files import SLURM_DIR, latest_runs, read_submitted
 
 # where the sweep stands as a whole
@@ -253,7 +253,7 @@ def _last_slurm_id(num: int, runs: Dict[Tuple[int, str, str], int]) -> Optional[
 def squeue(slurm_ids: Iterable[str]) -> Tuple[Optional[Dict[str, JobState]], Optional[str]]:
     """One squeue call for the jobs' arrays: their states by SLURM id, or why there are none."""
     try:
-        states = commands.squeue(slurm_id.split("_")[0] for slurm_id in slurm_ids)
+        states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in slurm_ids)
     except (SlurmCommandError, LauncherConfigError) as e:
         return None, str(e)
     if states is None:

@@ -1,18 +1,23 @@
-"""SLURM's own commands, as the launcher uses them: sbatch, squeue, sacct, scancel.
+"""SLURM's own commands, as every part of the launcher uses them: sbatch, squeue, sacct,
+scancel and scontrol, here alone.
 
 The layer torchx's SLURM scheduler has: argv lists (never a shell line), `--parsable`
-output, and SLURM's own words for every state and error. Polling reads the whole sweep in
-one `squeue` call, whatever the number of jobs; `sacct` is asked only about a job that
-`squeue` no longer shows (and is not needed where accounting is off).
+output, and SLURM's own words for every state and error, with one timeout for every
+command. Polling reads the whole sweep in one `squeue` call, whatever the number of jobs;
+`sacct` is asked only about a job that `squeue` no longer shows (and is not needed where
+accounting is off). `scontrol show job` has one reader (`show_job`). The login node's
+runner (`_submit`), a launcher inside a SLURM job (`_launcher.preempt`: requeue;
+`_launcher.cluster_slurm`: hostlists) and `torchrun-sweep` all come here.
 """
 
+import functools
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from .._shared.errors import LauncherConfigError
+from .errors import LauncherConfigError
 
 # SLURM's commands answer in well under a second; a hung controller must not hang the sweep
 COMMAND_TIMEOUT_S = 60.0
@@ -134,16 +139,45 @@ def duration_s(shown: str) -> Optional[float]:
     return float((whole_days * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2])
 
 
-def job_run(job_id: str) -> Optional["tuple[str, int]"]:
-    """The job's state and how often SLURM requeued it (`Restarts`, counted when it requeues,
-    before the job's processes are stopped); None once SLURM no longer knows the job."""
+def _fields(oneliner: str) -> Dict[str, str]:
+    """`Key=Value Key=Value ...`, as `scontrol show ... --oneliner` prints a job or partition."""
+    return dict(item.split("=", 1) for item in oneliner.split() if "=" in item)
+
+
+def show_job(job_id: str) -> Optional[Dict[str, str]]:
+    """`scontrol show job`'s fields of the job (JobState, Restarts, BatchFlag, Requeue, ...);
+    None once SLURM no longer knows it."""
     result = _run([_command("scontrol"), "show", "job", "--oneliner", job_id])
     if result.returncode != 0:
         said = _said(result)
         if "Invalid job id" in said:
             return None
         raise SlurmCommandError(said)
-    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    return _fields(result.stdout)
+
+
+def requeue(job_id: str) -> Optional[str]:
+    """`scontrol requeue` the job; None, or SLURM's words when it would not."""
+    result = _run([_command("scontrol"), "requeue", job_id])
+    return None if result.returncode == 0 else _said(result)
+
+
+@functools.lru_cache(maxsize=64)
+def hostnames(hostlist: str) -> Tuple[str, ...]:
+    """A SLURM hostlist (`node[01-04]`) expanded by `scontrol show hostnames`, in order
+    (asked once per list); SlurmCommandError with scontrol's own words when it fails."""
+    result = _run([_command("scontrol"), "show", "hostnames", hostlist])
+    if result.returncode != 0:
+        raise SlurmCommandError(_said(result))
+    return tuple(line.strip() for line in result.stdout.splitlines() if line.strip())
+
+
+def job_run(job_id: str) -> Optional["tuple[str, int]"]:
+    """The job's state and how often SLURM requeued it (`Restarts`, counted when it requeues,
+    before the job's processes are stopped); None once SLURM no longer knows the job."""
+    fields = show_job(job_id)
+    if fields is None:
+        return None
     state, restarts = fields.get("JobState"), fields.get("Restarts", "")
     if not state or not restarts.isdigit():
         return None
@@ -158,7 +192,7 @@ def partition_nodes(partition: str) -> Optional[int]:
     result = _run([_command("scontrol"), "show", "partition", "--oneliner", partition])
     if result.returncode != 0:
         return None
-    fields = dict(item.split("=", 1) for item in result.stdout.split() if "=" in item)
+    fields = _fields(result.stdout)
     limits = [int(fields[key]) for key in ("TotalNodes", "MaxNodes") if fields.get(key, "").isdigit()]
     return min(limits) if limits else None
 
