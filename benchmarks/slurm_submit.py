@@ -10,7 +10,14 @@ array from the host, as from a login node. Prints:
 - start: from a job's start (SLURM's StartTime) to its first rank line (the rank prints the
   time, `benchmarks/slurm_submit_app.py`).
 
+With `--detach`, the sweep is submitted with `hydra.launcher.detach=true` and not waited for:
+it prints Hydra's own time before the launcher's first line (its start-up and the basic
+sweeper's validation, which composes every job), the launcher's time from there to its
+last line (composing, checking and submitting in chunks), `torchrun-sweep status`'s time on
+the sweep, then cancels it with `torchrun-sweep cancel`.
+
     flock <lock> python benchmarks/slurm_submit.py --jobs 100
+    flock <lock> python benchmarks/slurm_submit.py --jobs 1000 --detach
 """
 
 import argparse
@@ -52,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--detach", action="store_true")
     args = parser.parse_args()
     if unavailable():
         sys.exit(f"no SLURM cluster here: {unavailable()}")
@@ -72,6 +80,9 @@ def main() -> None:
             "hydra.sweep.dir=sweep",
             f"+x={xs}",
         ]
+        if args.detach:
+            _detached(command, app, env, args.jobs)
+            return
         started = time.time()
         launcher = subprocess.run(command, cwd=app, env=env, capture_output=True, text=True)
         ended = time.time()
@@ -113,6 +124,28 @@ def main() -> None:
                 f"{delays[len(delays) // 2]:.2f}s, min {delays[0]:.2f}s, max {delays[-1]:.2f}s "
                 f"over {len(delays)} jobs"
             )
+
+
+def _detached(command: "list[str]", app: Path, env: "dict[str, str]", jobs: int) -> None:
+    started = time.time()
+    launcher = subprocess.run(
+        [*command, "hydra.launcher.detach=true"], cwd=app, env=env, capture_output=True, text=True
+    )
+    ended = time.time()
+    output = launcher.stdout + launcher.stderr
+    assert launcher.returncode == 0, output[-3000:]
+    stamped = [line for line in output.splitlines() if line.startswith("[") and "][HYDRA]" in line[:40]]
+    first, last = _stamp(stamped[0]), _stamp(stamped[-1])
+    print(f"{jobs} one-node jobs submitted detached, {ended - started:.1f}s in all")
+    print(f"Hydra's own time before the launcher's first line (start-up, validation): {first - started:.1f}s")
+    print(f"the launcher's, from its first line to its last (compose, check, submit): {last - first:.1f}s")
+    tool = str(Path(sys.executable).parent / "torchrun-sweep")
+    began = time.time()
+    status = subprocess.run([tool, "status", "sweep"], cwd=app, env=env, capture_output=True, text=True)
+    print(f"torchrun-sweep status: {time.time() - began:.2f}s; {status.stdout.splitlines()[:2]}")
+    began = time.time()
+    cancel = subprocess.run([tool, "cancel", "sweep"], cwd=app, env=env, capture_output=True, text=True)
+    print(f"torchrun-sweep cancel: {time.time() - began:.2f}s; {cancel.stdout.strip()[:200]}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
 from tests.test_slurm_submit import (
     QUEUE_EMPTIES_S,
     SWEEP_TIMEOUT_S,
+    _once_running,
     _queue,
     _start,
     _summary,
@@ -28,6 +29,7 @@ from tests.test_slurm_submit import (
     _wait_for,
     app_dir,  # noqa: F401  (the fixture)
 )
+from tests.test_sweep_cli import _env, _tool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -84,6 +86,43 @@ def test_a_detached_sweep_runs_on_and_the_same_command_comes_back_for_its_result
     assert [jobs[n]["return_value"]["x"] for n in range(2)] == [1, 2], jobs
     assert "2 jobs: 2 completed" in said, said
     _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+
+def test_a_detached_job_preempted_while_no_launcher_runs_requeues_resumes_and_is_collected(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    """SLURM's stop notice reaches a job submitted detached: its nodes stop it at a step
+    boundary with a checkpoint and requeue it, it runs again from there and completes, all
+    with no launcher attached; status shows it ended, and the command run again collects it."""
+    sweep = ("steps=40", "step_s=0.25", "x=1")
+    result = _sweep(cluster, app_dir, "hydra.launcher.detach=true", *sweep)
+    assert result.returncode == 0, result.stdout + result.stderr
+    slurm_id = _submitted_ids(app_dir)["0"]
+    out = _once_running(app_dir, [slurm_id], 0, x=1)
+    signalled = cluster.run(["scancel", "--signal=USR2", slurm_id])
+    assert signalled.returncode == 0, signalled.stderr
+    _wait_for(lambda: "is requeued" in out.read_text(), "the job's requeue by its own nodes")
+    _wait_for(lambda: not _queue(cluster), "the requeued job's end", SWEEP_TIMEOUT_S)
+    shown = json.loads(_tool(app_dir, "status", "sweep", "--json", env=_env(cluster.env)).stdout)
+    (job,) = shown["jobs"]
+    assert job["state"] == "ENDED" and "its result is not in the record yet" in job["note"], shown
+
+    back = _sweep(cluster, app_dir, *sweep)
+    said = back.stdout + back.stderr
+    assert back.returncode == 0, said
+    assert "Submitting" not in said and f"SLURM job {slurm_id}, submitted before" in said, said
+    (collected,) = _summary(app_dir).values()
+    assert collected["status"] == "COMPLETED", collected
+    value = collected["return_value"]
+    assert value["resumed"] is True and 0 < value["from"] < 40 and value["x"] == 1, value
+    text = out.read_text()
+    stops = {
+        line.split(": stopping after step ")[1]
+        for line in text.splitlines()
+        if ": stopping after step" in line
+    }
+    assert len(stops) == 1, text  # every rank at the same step
 
 
 def test_ctrl_c_while_coming_back_leaves_detached_jobs_running(
