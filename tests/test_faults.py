@@ -169,15 +169,23 @@ def _failed_jobs_ranks_stopped(sweep_dir: Path, nums: Iterable[int]) -> None:
 @pytest.mark.timeout(180)
 def test_rank_killed_by_signal_or_exiting_fails_its_job_and_the_sweep_goes_on(tmp_path: Path) -> None:
     # rank 1 dies (the other rank sleeps); the last job behaves
-    result = _sweep(tmp_path, "mode=fail", "how=SIGKILL,SIGSEGV,exit3,none")
+    result = _sweep(tmp_path, "mode=fail", "how=SIGKILL,SIGSEGV,exit3,SIGINT,interrupt,none")
     sweep_dir = tmp_path / "multirun"
     ends = _records(sweep_dir, "end")
 
     assert result.returncode != 0, _output(result)
     # Hydra prints the first failed job's error: the rank and the signal
     assert "rank 1 " in result.stderr and "SIGKILL" in result.stderr, _output(result)
-    assert sorted(ends) == [0, 1, 2, 3], _output(result)
-    expected = {0: "killed by signal SIGKILL", 1: "killed by signal SIGSEGV", 2: "exited with code 3"}
+    assert sorted(ends) == [0, 1, 2, 3, 4, 5], _output(result)
+    # a SIGINT, or a KeyboardInterrupt the app raises, ends a rank as it ends a script that
+    # torchrun runs: by SIGINT, which fails its job at once (the other rank would wait for ever)
+    expected = {
+        0: "killed by signal SIGKILL",
+        1: "killed by signal SIGSEGV",
+        2: "exited with code 3",
+        3: "killed by signal SIGINT",
+        4: "killed by signal SIGINT",
+    }
     for num, cause in expected.items():
         assert ends[num]["status"] == "FAILED"
         first_line = ends[num]["error"].splitlines()[0]
@@ -189,8 +197,8 @@ def test_rank_killed_by_signal_or_exiting_fails_its_job_and_the_sweep_goes_on(tm
             f"job {num} reported {ends[num]['t'] - failed_at:.1f}s late"
         )
     _failed_jobs_ranks_stopped(sweep_dir, expected)
-    assert ends[3]["status"] == "COMPLETED"
-    assert (sweep_dir / "3" / "done_rank0").exists() and (sweep_dir / "3" / "done_rank1").exists()
+    assert ends[5]["status"] == "COMPLETED"
+    assert (sweep_dir / "5" / "done_rank0").exists() and (sweep_dir / "5" / "done_rank1").exists()
     _assert_sweep_left_nothing(sweep_dir)
 
 

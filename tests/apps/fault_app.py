@@ -24,10 +24,11 @@ ConfigStore.instance().store(
     node={
         # ok | allreduce | fail | sleep | hang | flaky | lock_return | scan
         "mode": "ok",
-        # fail: the rank that fails (or "all": every rank), and how: SIGKILL | SIGSEGV | exit3 |
-        # raise | drops (an exception whose pickling drops its attributes, as pydantic's) |
-        # unpicklable | needs_args (its constructor takes other arguments) | by_rank (rank 0
-        # raises a ValueError, rank 1 a KeyError, ...) | none
+        # fail: the rank that fails (or "all": every rank), and how: SIGKILL | SIGSEGV | SIGINT |
+        # exit3 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
+        # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
+        # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
+        # KeyError, ...) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
@@ -80,6 +81,8 @@ def _raise(how: str, rank: int) -> None:
 
     if how == "raise":
         raise ValueError(f"boom from rank {rank}")
+    if how == "interrupt":
+        raise KeyboardInterrupt
     if how == "drops":
         raise fault_errors.DropsAttributes(f"1 validation error for DeepSpeedZeroConfig (rank {rank})")
     if how == "unpicklable":

@@ -49,7 +49,26 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
 
     `sys_path` comes apart from the payload: unpickling a task function that lives in an
     importable module needs the app's import path first.
+
+    A KeyboardInterrupt that reaches here (a SIGINT sent to this rank, or raised by the app)
+    ends the process by SIGINT, as it ends a Python script that torchrun runs: torch's agent
+    then fails the job naming this rank. torch's multiprocessing wrapper around this function
+    would take it for a normal exit, and the job would wait on its other ranks for ever.
     """
+    try:
+        return _run_rank(sys_path, payload)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _flush_loggers()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        os.kill(os.getpid(), signal.SIGINT)
+        raise  # SIGINT ends the process before this line
+
+
+def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     die_with_parent()
     tempfile.tempdir = None  # the job process's own (its private dir): TMPDIR, as in a fresh interpreter
     drop_inherited_forkserver()
