@@ -355,6 +355,12 @@ class WarmServer:
                 self._process.kill()
             self._process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """End the server at once (SIGKILL) and reap it."""
+        self._sock.close()
+        if os.getpid() == self._owner:
             self._process.kill()
             self._process.wait()
 
@@ -373,11 +379,14 @@ def _close_at_exit() -> None:
     server ends at once when its socket closes; one still importing its preload is killed."""
     global _server
     server, _server = _server, None
-    if server is not None:
-        try:
-            server.close(timeout=_EXIT_WAIT_S)
-        except Exception:
-            pass
+    if server is None:
+        return
+    try:
+        server.close(timeout=_EXIT_WAIT_S)
+    except (SystemExit, KeyboardInterrupt):
+        # a stop signal came as the app exits (SLURM's SIGTERM right after a requeue): its
+        # handler's exit is the one under way already; the server goes at once
+        server.kill()
 
 
 atexit.register(_close_at_exit)
