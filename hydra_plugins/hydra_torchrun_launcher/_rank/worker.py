@@ -58,7 +58,8 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     try:
         return _run_rank(sys_path, payload)
     except KeyboardInterrupt:
-        traceback.print_exc()
+        # no traceback: a Ctrl-C at the terminal reaches every rank, and the job then says
+        # it was stopped; a SIGINT to this rank alone is named by the job's failure
         _flush_loggers()
         sys.stdout.flush()
         sys.stderr.flush()
