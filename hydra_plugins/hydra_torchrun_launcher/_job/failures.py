@@ -496,12 +496,13 @@ def _read_tail(path: Optional[Path], lines: int, start: int = 0, end: Optional[i
 
 # a frame of faulthandler's dump: `  File "/path/app.py", line 12 in train`
 _DUMPED_FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>.*)$')
-# the launcher's own frame below a rank's task: the frames under it are plumbing
-_RANK_ENTRY = ("run_rank", os.path.join("_rank", "worker.py"))
+# the launcher's own frames below a rank's task (`run_rank` and the `_run_rank` it calls):
+# the frames under the first of them are plumbing
+_RANK_ENTRY = (("run_rank", "_run_rank"), os.path.join("_rank", "worker.py"))
 
 
 def _is_rank_entry(match: "re.Match[str]") -> bool:
-    return match["name"] == _RANK_ENTRY[0] and match["file"].endswith(_RANK_ENTRY[1])
+    return match["name"] in _RANK_ENTRY[0] and match["file"].endswith(_RANK_ENTRY[1])
 
 
 def _threads(dump: List[str]) -> List[List[str]]:
