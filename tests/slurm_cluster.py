@@ -34,6 +34,9 @@ _DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol", "sinf
 START_TIMEOUT_S = 30.0
 # torch's agents stop their ranks within 30 s of SIGTERM; SLURM then ends the job
 CANCEL_WAIT_S = 60.0
+# partition `preemptible`'s jobs are preempted (PreemptMode=REQUEUE) by partition `urgent`'s,
+# with this long to end after SLURM's SIGTERM before SLURM kills and requeues them
+PREEMPT_GRACE_S = 30
 # the daemons of clusters that run now: they outlive a test, their jobs' processes do not
 RUNNING_DAEMONS: Set[int] = set()
 # what a daemon starts for itself (not for a job): slurmctld's script helper
@@ -190,6 +193,11 @@ class SlurmCluster:
         nodes = "\n".join(
             f"NodeName={node} NodeAddr={self.addresses[node]} CPUs=2 State=UNKNOWN" for node in self.nodes
         )
+        nodelist = ",".join(self.nodes)
+        preemptible = (
+            f"PartitionName=preemptible Nodes={nodelist} MaxTime=INFINITE State=UP PriorityTier=1 "
+            f"PreemptMode=REQUEUE GraceTime={PREEMPT_GRACE_S}"
+        )
         (root / "slurm.conf").write_text(
             f"""ClusterName=hydratorchrun
 SlurmctldHost={socket.gethostname().split(".")[0]}({self.controller_address})
@@ -214,7 +222,11 @@ SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=1
 SelectType=select/linear
 {nodes}
-PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes={nodelist} Default=YES MaxTime=INFINITE State=UP PreemptMode=OFF
+{preemptible}
+PartitionName=urgent Nodes={nodelist} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
         )
 

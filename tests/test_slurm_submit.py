@@ -594,6 +594,55 @@ def test_a_job_requeued_by_slurm_after_a_node_failure_is_followed_and_continues_
                 cluster.run(["scontrol", "update", f"nodename={host}", "state=resume"])
 
 
+def test_a_job_slurm_preempts_with_sigterm_in_its_grace_time_is_requeued_and_followed(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    # partition `preemptible`: PreemptMode=REQUEUE with a GraceTime; a job of partition
+    # `urgent` that needs every node preempts the sweep's job. SLURM's SIGTERM stops its ranks
+    # at once (they get no stop notice: PreemptParameters has no send_user_signal), and a job
+    # that then ended on its own would end FAILED, never requeued: node 0 requeues it
+    launcher = _start(
+        cluster,
+        app_dir,
+        "hydra.launcher.partition=preemptible",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=1",
+        "steps=40",
+        "x=1",
+    )
+    try:
+        (slurm_id,) = _submitted(app_dir, 1)
+        out = _once_running(app_dir, [slurm_id], 0, x=1)
+        urgent = cluster.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--partition=urgent",
+                "--nodes=4",
+                f"--output={app_dir / 'urgent.out'}",
+                "--wrap=hostname",
+            ]
+        )
+        assert urgent.returncode == 0, urgent.stderr
+        output, _ = launcher.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        kill_tree(launcher)
+    assert launcher.returncode == 0, output
+    said = (
+        f"job #0 (SLURM job {slurm_id}) was preempted by SLURM (which stopped its ranks) "
+        "and is requeued (requeue 1)"
+    )
+    assert said in output, output
+    assert "FAILED" not in output and "STOPPED" not in output, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "COMPLETED", output
+    # the run SLURM requeued continued in the job dir where the preempted one's ranks ran
+    assert job["return_value"]["resumed"] is True and job["return_value"]["world"] == 2, job
+    assert (app_dir / "urgent.out").read_text().strip(), "the urgent job never ran"
+    assert f"SLURM job {slurm_id} is requeued" in out.read_text(), out.read_text()
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+
 def test_a_stop_notice_in_a_jobs_first_moment_requeues_it_instead_of_killing_it(
     cluster: SlurmCluster, app_dir: Path
 ) -> None:

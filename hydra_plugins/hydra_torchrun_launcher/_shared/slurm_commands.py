@@ -184,6 +184,24 @@ def job_run(job_id: str) -> Optional["tuple[str, int]"]:
     return state, int(restarts)
 
 
+def preempting(job_id: str) -> bool:
+    """Whether SLURM is preempting the job's current run: it selected the run for preemption
+    (`PreemptTime`, at or after the run's `StartTime`) and the run is still on its nodes,
+    within its partition's GraceTime. Under PreemptMode=REQUEUE SLURM then stops the run's
+    processes with SIGTERM (unless PreemptParameters=send_user_signal sends the job's
+    `--signal`) and requeues the job when the grace time ends, but only if the job is still
+    running then. False when SLURM does not say, or does not know the job."""
+    try:
+        fields = show_job(job_id)
+    except SlurmCommandError:
+        return False
+    if not fields or fields.get("JobState") not in ("RUNNING", "COMPLETING"):
+        return False
+    selected, started = fields.get("PreemptTime", "None"), fields.get("StartTime", "")
+    # both as scontrol prints times (2026-11-25T23:06:47): ordered as strings
+    return selected[:1].isdigit() and started[:1].isdigit() and selected >= started
+
+
 def partition_nodes(partition: str) -> Optional[int]:
     """The most nodes one job of `partition` can have (its node count, or its MaxNodes where
     lower); None when SLURM does not say (several partitions, scontrol failing)."""

@@ -50,6 +50,7 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._rank.error import ACCOUNT_ATTR, account_of
+from .._shared import slurm_commands
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
 from .._shared.slurm_commands import duration_s
@@ -67,6 +68,8 @@ from .files import (
 
 log = logging.getLogger(__name__)
 
+# what the launcher says of a job that SLURM's preemption stopped (with SIGTERM, in its grace time)
+_PREEMPTED_BY_SLURM = "was preempted by SLURM (which stopped its ranks)"
 # a stop this close to the time limit (beyond signal_delay_s) is the time limit's, not a preemption
 _TIME_LIMIT_MARGIN_S = 60
 
@@ -128,6 +131,16 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         )
     value = job_return._return_value
     if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
+        if slurm_commands.preempting(own_job_id(environ)):
+            # SLURM's SIGTERM of a preemption (PreemptMode=REQUEUE, GraceTime) stopped the
+            # ranks: the job is preempted, not failed. SLURM would requeue it only if it still
+            # ran when its grace time ends; node 0 requeues it now, as after a stop notice
+            if node != 0:
+                return 0
+            value = JobPreempted(_PREEMPTED_BY_SLURM, ranks_ran=True)
+            job_return = dataclasses.replace(job_return)
+            job_return.return_value = value
+    if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
         # the first node to fail names the cause; srun then stops the others (--kill-on-bad-exit)
         failed_first = failure_file(directory, idx, array_id, restarts)
         first = write_first(failed_first, pickled_return(job_return))
@@ -140,7 +153,8 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     if isinstance(value, JobPreempted):
         refused = _timeout_refusal(timeouts_file(directory, idx, array_id), time_limit, environ)
         if refused is None:
-            write_private(requeued_file(directory, idx, array_id), str(restarts + 1).encode())
+            how = value.message if value.message == _PREEMPTED_BY_SLURM else "stopped at a step boundary"
+            write_private(requeued_file(directory, idx, array_id), f"{restarts + 1}\n{how}".encode())
             said = requeue_slurm_job(environ, own_job_id(environ))
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:

@@ -386,17 +386,18 @@ class _Sweep:
         return job_return
 
     def _note_requeue(self, idx: int) -> None:
-        """A line when the job's node 0 has requeued it after a stop (its file says how often)."""
+        """A line when the job's node 0 has requeued it after a stop (its file says how often,
+        then how the run was stopped)."""
         path = requeued_file(self.directory, idx, self._array(idx))
         try:
-            count = path.read_text().strip()
+            count, _, how = path.read_text().strip().partition("\n")
         except FileNotFoundError:
             return
         if count and self.requeues.get(idx) != count:
             self.requeues[idx] = count
             log.info(
-                f"job #{idx} (SLURM job {self.slurm_ids[idx]}) stopped at a step boundary and is requeued "
-                f"(requeue {count}): it continues in its job dir when SLURM runs it again"
+                f"job #{idx} (SLURM job {self.slurm_ids[idx]}) {how or 'stopped at a step boundary'} "
+                f"and is requeued (requeue {count}): it continues in its job dir when SLURM runs it again"
             )
 
     def _poll(self, by_idx: Dict[int, JobPlan]) -> None:
