@@ -14,10 +14,12 @@ With `--detach`, the sweep is submitted with `hydra.launcher.detach=true` and no
 it prints Hydra's own time before the launcher's first line (its start-up and the basic
 sweeper's validation, which composes every job), the launcher's time from there to its
 last line (composing, checking and submitting in chunks), `torchrun-sweep status`'s time on
-the sweep, then cancels it with `torchrun-sweep cancel`.
+the sweep, then cancels it with `torchrun-sweep cancel`. With `--hold` the jobs are
+submitted held (`sbatch --hold`), so that on a small machine the cluster's jobs do not take
+the CPU the launcher is measured on.
 
     flock <lock> python benchmarks/slurm_submit.py --jobs 100
-    flock <lock> python benchmarks/slurm_submit.py --jobs 1000 --detach
+    flock <lock> python benchmarks/slurm_submit.py --jobs 1000 --detach --hold
 """
 
 import argparse
@@ -60,6 +62,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=100)
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--detach", action="store_true")
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="submit the jobs held (sbatch --hold): none runs and takes CPU from the launcher",
+    )
     args = parser.parse_args()
     if unavailable():
         sys.exit(f"no SLURM cluster here: {unavailable()}")
@@ -80,6 +87,8 @@ def main() -> None:
             "hydra.sweep.dir=sweep",
             f"+x={xs}",
         ]
+        if args.hold:
+            command.append("+hydra.launcher.additional_parameters.hold=true")
         if args.detach:
             _detached(command, app, env, args.jobs)
             return

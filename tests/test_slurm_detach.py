@@ -112,10 +112,16 @@ def test_a_detached_job_preempted_while_no_launcher_runs_requeues_resumes_and_is
     said = back.stdout + back.stderr
     assert back.returncode == 0, said
     assert "Submitting" not in said and f"SLURM job {slurm_id}, submitted before" in said, said
+    # the job SLURM still had (its result in) is waited for: neither resumed nor run again
+    assert "1 submitted earlier are waited for (#0) (hydra.launcher.resume=false" in said, said
+    assert "afresh" not in said and "unfinished" not in said, said
     (collected,) = _summary(app_dir).values()
     assert collected["status"] == "COMPLETED", collected
     value = collected["return_value"]
     assert value["resumed"] is True and 0 < value["from"] < 40 and value["x"] == 1, value
+    # its time is its run's (steps after the checkpoint, 0.25 s each, and its start-up on the
+    # node), not the moment the command that came back read its result
+    assert collected["duration_s"] >= (40 - value["from"]) * 0.25, collected
     text = out.read_text()
     stops = {
         line.split(": stopping after step ")[1]

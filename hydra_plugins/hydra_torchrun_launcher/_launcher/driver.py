@@ -224,7 +224,7 @@ class _Launch:
             in_place = continuing_in_place(sweep_dir, plans, resumed)
             for plan in plans:
                 plan.resumed = plan.idx in in_place  # where its ranks ran before: a checkpoint may be there
-            log_resumption(sweep_dir, resumed, in_place)
+            log_resumption(sweep_dir, resumed, in_place, self.runner.held_over(plans))
             self.returns.update(resumed.completed)
             self.ready.extend(plan for plan in plans if plan.idx not in resumed.completed)
             done, preempted = sorted(resumed.completed), sorted(resumed.preempted)

@@ -137,6 +137,9 @@ class LocalRunner:
             self.notice,
         )
 
+    def held_over(self, plans: Sequence[JobPlan]) -> Set[int]:
+        return set()  # a job process never outlives the launcher that started it
+
     def stopped_words(self) -> str:
         return "the sweep was stopped: "
 

@@ -258,23 +258,29 @@ def _slurm_restarted(environ: Mapping[str, str]) -> bool:
     return int(environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
 
 
-def log_resumption(sweep_dir: Path, found: Resumption, in_place: Set[int]) -> None:
-    """One line when the launch resumes a recorded sweep: what comes from the record, which
+def log_resumption(sweep_dir: Path, found: Resumption, in_place: Set[int], held_over: Set[int]) -> None:
+    """One line when the launch resumes a recorded sweep: what comes from the record, the jobs
+    an earlier command submitted that are waited for (`held_over`: SLURM still has them), which
     unfinished jobs continue in their job dir (`in_place`: their ranks ran there), and which
     run afresh (their ranks never ran, or their job dir is another now)."""
     if not found.recorded:
         return
     done = sorted(found.completed)
-    afresh = sorted(found.preempted - in_place)
-    again = f", {len(afresh)} run afresh{_listed(afresh)}" if afresh else ""
+    waited = sorted(held_over - set(found.completed))
+    continuing = sorted(in_place - held_over)
+    afresh = sorted(found.preempted - in_place - held_over)
+    said = f", {len(waited)} submitted earlier are waited for{_listed(waited)}" if waited else ""
+    if continuing or not waited:
+        said += f", {len(continuing)} unfinished job(s) continue{_listed(continuing)}"
+    if afresh:
+        said += f", {len(afresh)} run afresh{_listed(afresh)}"
     # failed, never started, or completed with a return that cannot be trusted
-    others = sorted(set(found.recorded) - set(found.completed) - found.preempted)
+    others = sorted(set(found.recorded) - set(found.completed) - found.preempted - held_over)
     if others:
-        again += f", {len(others)} failed or not started run again{_listed(others)}"
+        said += f", {len(others)} failed or not started run again{_listed(others)}"
     log.info(
         f"Resuming the sweep in {shown_path(str(sweep_dir))}: "
-        f"{len(done)} completed job(s) come from its record{_listed(done)}, "
-        f"{len(in_place)} unfinished job(s) continue{_listed(sorted(in_place))}{again} "
+        f"{len(done)} completed job(s) come from its record{_listed(done)}{said} "
         "(hydra.launcher.resume=false runs every job again)"
     )
 

@@ -13,7 +13,7 @@ lifecycle).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig
@@ -96,6 +96,11 @@ class Runner(Protocol):
 
     def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
         """What a run would do, for the user to read; nothing runs."""
+
+    def held_over(self, plans: Sequence[JobPlan]) -> Set[int]:
+        """The jobs of `plans` that an earlier command of this sweep handed to what runs them,
+        and that still run there (a SLURM job still queued or running, or whose result is in):
+        `run` waits for them rather than start them, so the record decides nothing for them."""
 
     def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
         """Run the jobs of `jobs`, asking for each when it can start it (not all first),

@@ -149,6 +149,9 @@ class SshRunner:
             self.notice.forward = lambda signum: None
             sweep.close()
 
+    def held_over(self, plans: Sequence[JobPlan]) -> Set[int]:
+        return set()  # the hosts' agents end with the launcher's ssh sessions, and their jobs
+
     def stopped_words(self) -> str:
         return self.stopped
 

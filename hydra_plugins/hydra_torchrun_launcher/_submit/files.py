@@ -32,6 +32,11 @@ def request_file(directory: Path, idx: int) -> Path:
     return directory / f"job{idx}.request"
 
 
+# the attribute of a JobReturn (as node 0 writes it) that holds how long its run took, in
+# seconds: a job whose end no launcher saw (detached, or its launcher dead) is timed by it
+RUN_TIME_ATTR = "_torchrun_run_s"
+
+
 def result_file(directory: Path, idx: int, array_id: str, attempt: int) -> Path:
     """The job's result as its node 0 wrote it in run `attempt` (SLURM_RESTART_COUNT). Every
     file a run of the job writes is named by the array SLURM gave it (`array_id`): a job of an

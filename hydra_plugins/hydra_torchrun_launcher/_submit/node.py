@@ -36,6 +36,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import traceback
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -56,6 +57,7 @@ from .._shared.private import remove_dead_private_dirs
 from .._shared.slurm_commands import duration_s
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .files import (
+    RUN_TIME_ATTR,
     failure_file,
     read_private,
     request_file,
@@ -86,6 +88,7 @@ class _NoCallbacks:
 
 def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> int:
     """Run this node's part of the job; `time_limit`: (signal_delay_s, max_num_timeout)."""
+    started = time.time()
     # what an earlier job's process on this node left when it was killed outright (the OOM
     # killer, a second scancel): this node's process outlives it
     try:
@@ -161,6 +164,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
                 return 0  # SLURM ends this run; the job's result comes from the next
         else:
             job_return = _failed(job_return, refused)
+    setattr(job_return, RUN_TIME_ATTR, round(time.time() - started, 3))
     write_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0

@@ -35,6 +35,7 @@ from .._shared.signals import handled_by
 from .._shared.slurm_commands import ENDED_STATES, JobState, SlurmCommandError
 from .batch_script import batch_script
 from .files import (
+    RUN_TIME_ATTR,
     failure_file,
     latest_runs,
     output_file,
@@ -82,6 +83,8 @@ class SlurmRunner:
         # each job's sbatch options, as its config said
         self.options: Dict[int, SlurmOptions] = {}
         self.cancelled = ""
+        # the recorded jobs SLURM still has (`_alive`), once asked
+        self.alive: Any = _UNKNOWN
 
     def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
         settings, slurm = split_launcher_config(config.hydra.launcher)
@@ -101,10 +104,19 @@ class SlurmRunner:
     def dry_run(self, plans: Sequence[JobPlan], configs: Dict[int, DictConfig], recorded: Any) -> str:
         return _dry_run(list(plans), self.options, self.sweep_dir, recorded)
 
+    def held_over(self, plans: Sequence[JobPlan]) -> Set[int]:
+        """The recorded SLURM jobs of these plans that `run` takes back (`_Sweep.taken_back`):
+        submitted by an earlier command for the same job, still queued or running, or with
+        their result in. One `squeue` call, whose answer `run` uses again."""
+        submitted = read_submitted(slurm_dir(self.sweep_dir))
+        self.alive = _alive(slurm_dir(self.sweep_dir), submitted)
+        return {plan.idx for plan in plans if _takes_back(submitted.get(str(plan.idx)), plan, self.alive)}
+
     def run(self, jobs: JobFeed, events: JobEvents) -> Dict[int, JobReturn]:
         """Submit the jobs in chunks as they are composed (the first within moments, however
         many the sweep has), then wait for them all."""
         sweep = _Sweep(slurm_dir(self.sweep_dir), events, self.detach)
+        sweep.alive = self.alive
         with handled_by(sweep.stop, [signal.SIGINT, signal.SIGTERM]):
             try:
                 size = FIRST_CHUNK
@@ -223,19 +235,16 @@ class _Sweep:
         stale: List[str] = []
         gone: List[str] = []
         if self.alive is _UNKNOWN:  # one squeue for the whole sweep's recorded jobs
-            self.alive = self._still_there()
+            self.alive = _alive(self.directory, self.submitted)
         alive = self.alive
         for plan in plans:
             self.plans[plan.idx] = plan
             self.overrides[plan.idx] = list(plan.overrides)
             self.nodes[plan.idx] = options[plan.idx].nodes
             known = self.submitted.get(str(plan.idx))
-            if (
-                known
-                and known.get("fingerprint") == plan.fingerprint
-                and plan.settings.conf.resume is not False
-            ):
-                if alive is not None and known["slurm_id"] not in alive:
+            if _same_job(known, plan):
+                assert known is not None
+                if not _takes_back(known, plan, alive):
                     gone.append(known["slurm_id"])  # cancelled or lost: it runs again
                     fresh.append(plan)
                     continue
@@ -287,26 +296,6 @@ class _Sweep:
                 # until SLURM starts it, its time counts from here
                 self.events.started(plan, f" : SLURM job {slurm_id}")
             write_submitted(self.directory, self.submitted)
-
-    def _still_there(self) -> Optional[Set[str]]:
-        """The recorded jobs (of an earlier run of the launcher) that SLURM still runs or
-        queues, or that left a result; None when squeue cannot say (all are taken back)."""
-        recorded = {str(job["slurm_id"]) for job in self.submitted.values() if "slurm_id" in job}
-        if not recorded:
-            return set()
-        try:
-            states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
-        except SlurmCommandError:
-            return None
-        if states is None:
-            return None
-        runs = latest_runs(self.directory)
-        return {
-            slurm_id
-            for slurm_id in recorded
-            if (slurm_id in states and states[slurm_id].state not in ENDED_STATES)
-            or (int(slurm_id.split("_")[1]), slurm_id.split("_")[0], "result") in runs
-        }
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -466,7 +455,12 @@ class _Sweep:
         return True
 
     def _collect(self, plan: JobPlan, job_return: JobReturn) -> None:
-        """The job's result, as its node 0 wrote it (or a node's failure)."""
+        """The job's result, as its node 0 wrote it (or a node's failure). A job this launcher
+        never saw running (it ended while no launcher waited: detached, or a launcher killed)
+        takes its time from its node 0's word (`RUN_TIME_ATTR`), not from when it was read."""
+        ran_s = getattr(job_return, RUN_TIME_ATTR, None)
+        if plan.idx not in self.ran and isinstance(ran_s, (int, float)):
+            self.events.running(plan, time.monotonic() - ran_s)
         self._end(plan.idx, job_return)
 
     def _lost(
@@ -561,6 +555,40 @@ class _Sweep:
             "(it waits for the jobs and submits none twice)\n"
             f"\tTo cancel them: torchrun-sweep cancel {sweep_dir}"
         )
+
+
+def _alive(directory: Path, submitted: Dict[str, Any]) -> Optional[Set[str]]:
+    """The recorded jobs (of an earlier run of the launcher) that SLURM still runs or queues,
+    or that left a result; None when squeue cannot say (all are taken back)."""
+    recorded = {str(job["slurm_id"]) for job in submitted.values() if "slurm_id" in job}
+    if not recorded:
+        return set()
+    try:
+        states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in recorded)
+    except SlurmCommandError:
+        return None
+    if states is None:
+        return None
+    runs = latest_runs(directory)
+    return {
+        slurm_id
+        for slurm_id in recorded
+        if (slurm_id in states and states[slurm_id].state not in ENDED_STATES)
+        or (int(slurm_id.split("_")[1]), slurm_id.split("_")[0], "result") in runs
+    }
+
+
+def _same_job(known: Optional[Dict[str, Any]], plan: JobPlan) -> bool:
+    """Whether the recorded submission is of this very job (same fingerprint), to be taken
+    back unless `resume=false`."""
+    same = bool(known) and known.get("fingerprint") == plan.fingerprint  # type: ignore[union-attr]
+    return same and plan.settings.conf.resume is not False
+
+
+def _takes_back(known: Optional[Dict[str, Any]], plan: JobPlan, alive: Optional[Set[str]]) -> bool:
+    """Whether the recorded submission of this job is waited for rather than submitted again:
+    the same job, that SLURM still has or whose result is in (`alive`; None: cannot say)."""
+    return _same_job(known, plan) and (alive is None or str(known["slurm_id"]) in alive)  # type: ignore[index]
 
 
 def _said(said: Optional[str]) -> str:
