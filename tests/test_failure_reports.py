@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Set
+from typing import Dict, List, NamedTuple, Optional, Set
 
 import psutil
 import pytest
@@ -90,9 +90,12 @@ def _env(tmp: Path) -> Dict[str, str]:
     return env
 
 
-def _start(tmp_path: Path, *overrides: str, name: str = "multirun") -> "tuple[subprocess.Popen, Path]":
+def _start(
+    tmp_path: Path, *overrides: str, name: str = "multirun", env: Optional[Dict[str, str]] = None
+) -> "tuple[subprocess.Popen, Path]":
     """`python app/fault_app.py -m ...` from its project dir, as a user runs it, its output to
-    files (a process left behind holding a pipe would hang the test instead of failing it)."""
+    files (a process left behind holding a pipe would hang the test instead of failing it);
+    `env`: more environment variables."""
     _install(tmp_path)
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
@@ -108,7 +111,7 @@ def _start(tmp_path: Path, *overrides: str, name: str = "multirun") -> "tuple[su
         proc = subprocess.Popen(
             command,
             cwd=tmp_path,
-            env=_env(tmp),
+            env={**_env(tmp), **(env or {})},
             stdout=out,
             stderr=err,
             start_new_session=True,
@@ -133,8 +136,10 @@ def _finish(tmp_path: Path, proc: subprocess.Popen, name: str = "multirun") -> R
     )
 
 
-def _sweep(tmp_path: Path, *overrides: str, name: str = "multirun") -> Run:
-    proc, _ = _start(tmp_path, *overrides, name=name)
+def _sweep(
+    tmp_path: Path, *overrides: str, name: str = "multirun", env: Optional[Dict[str, str]] = None
+) -> Run:
+    proc, _ = _start(tmp_path, *overrides, name=name, env=env)
     return _finish(tmp_path, proc, name)
 
 
@@ -287,6 +292,34 @@ def test_any_exception_keeps_the_rank_its_exit_and_its_log(tmp_path: Path, how: 
 
     # plain torchrun names the same rank, with the same exit code, as the first cause
     assert _torchrun_failures(_torchrun(tmp_path, "mode=fail", f"how={how}"))[0] == TorchrunFailure(1, 1)
+
+
+def _end_record(run: Run) -> dict:
+    """What the Recorder callback saw of job 0's end, in the job's process."""
+    (end,) = [
+        json.loads(line)
+        for line in (run.sweep_dir / "jobs.jsonl").read_text().splitlines()
+        if '"end"' in line
+    ]
+    return end
+
+
+def test_an_exception_whose_str_raises_is_still_named(tmp_path: Path) -> None:
+    run = _sweep(tmp_path, "mode=fail", "how=bad_str")
+    assert run.returncode == 1, run.console
+    said = "BadStr: <its message could not be rendered: its __str__ raised TypeError: no str for this one>"
+    first, output = run.job_line(0)[:2]
+    assert re.search(rf"rank 1 \(local_rank 1, pid \d+\) exited with code 1: {re.escape(said)}$", first), (
+        run.console
+    )
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log", output)
+    (job,) = run.summary()
+    assert job["error"].splitlines() == run.account(0), job
+    # Hydra's last word: the exception itself, as Python prints one whose __str__ raises
+    assert "fault_errors.BadStr: <exception str() failed>" in run.last_word(), run.console
+    assert "in _raise" in run.last_word(), run.console  # with the rank's frames
+    assert _end_record(run)["error"] == "BadStr: <exception str() failed>", _end_record(run)
+    _left_nothing(run)
 
 
 # --- 2. several ranks fail -----------------------------------------------------------------

@@ -28,7 +28,7 @@ ConfigStore.instance().store(
         # exit3 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
         # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
         # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
-        # KeyError, ...) | none
+        # KeyError, ...) | bad_str (its __str__ raises) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
@@ -89,6 +89,8 @@ def _raise(how: str, rank: int) -> None:
         raise fault_errors.Unpicklable(f"rank {rank} holds a lock")
     if how == "needs_args":
         raise fault_errors.NeedsArguments("zero_stage", 9)
+    if how == "bad_str":
+        raise fault_errors.BadStr(f"rank {rank}")
     if how == "by_rank":
         kinds = [ValueError, KeyError, RuntimeError, TypeError]
         raise kinds[rank % len(kinds)](f"rank {rank}'s own error")

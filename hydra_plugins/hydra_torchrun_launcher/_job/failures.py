@@ -30,7 +30,14 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._rank.error import EXCEPTION_FILE, SUMMARY_ATTR, FailureAccount, read_rank_exception, with_summary
+from .._rank.error import (
+    EXCEPTION_FILE,
+    SUMMARY_ATTR,
+    FailureAccount,
+    message_of,
+    read_rank_exception,
+    with_summary,
+)
 from .._shared.paths import shown_path
 from .._shared.signals import group_signals
 from .._shared.stop_files import LiveRank
@@ -354,7 +361,7 @@ def _raised(directory: Optional[Path]) -> str:
     if not (directory / EXCEPTION_FILE).is_file():
         return ""
     error = read_rank_exception(str(directory / _ERROR_FILE))
-    return f"{type(error).__name__}: {error}".splitlines()[0] if error is not None else ""
+    return f"{type(error).__name__}: {message_of(error)}".splitlines()[0] if error is not None else ""
 
 
 @dataclass
