@@ -322,6 +322,25 @@ def test_an_exception_whose_str_raises_is_still_named(tmp_path: Path) -> None:
     _left_nothing(run)
 
 
+def test_a_huge_message_is_cut_in_the_account_and_whole_in_the_log(tmp_path: Path) -> None:
+    run = _sweep(tmp_path, "mode=fail", "how=huge")
+    assert run.returncode == 1, run.console
+    first, output = run.job_line(0)[:2]
+    cut = re.search(
+        r"exited with code 1: ValueError: head x+ \.\.\. \[(\d+) characters cut: the whole is in its "
+        r"output\] \.\.\. x+ tail$",
+        first,
+    )
+    assert cut and len(first) < 2000, first[:3000]
+    assert int(cut[1]) + (len(first) - first.index("ValueError")) > 2_000_000
+    (job,) = run.summary()
+    assert job["error"].splitlines() == run.account(0) and len(job["error"]) < 2000, job["error"][:3000]
+    log = re.fullmatch(r"its output: (multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log)", output)
+    assert log, output
+    assert "ValueError: head " + "x" * 2_000_000 + " tail" in (tmp_path / log[1]).read_text()
+    _left_nothing(run)
+
+
 # --- 2. several ranks fail -----------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ ConfigStore.instance().store(
         # exit3 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
         # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
         # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
-        # KeyError, ...) | bad_str (its __str__ raises) | none
+        # KeyError, ...) | bad_str (its __str__ raises) | huge (a 2 MB message) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
@@ -91,6 +91,8 @@ def _raise(how: str, rank: int) -> None:
         raise fault_errors.NeedsArguments("zero_stage", 9)
     if how == "bad_str":
         raise fault_errors.BadStr(f"rank {rank}")
+    if how == "huge":  # 2 MB on one line
+        raise ValueError("head " + "x" * 2_000_000 + " tail")
     if how == "by_rank":
         kinds = [ValueError, KeyError, RuntimeError, TypeError]
         raise kinds[rank % len(kinds)](f"rank {rank}'s own error")

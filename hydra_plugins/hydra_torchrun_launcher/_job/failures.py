@@ -52,6 +52,10 @@ _NO_ERROR_FILE = "<N/A>"
 _ERROR_FILE = "error.json"
 # the signals by which the agent itself stops a rank: a rank they ended did not fail
 _STOPPING = (-signal.SIGTERM, -signal.SIGKILL)
+# a rank's exception in the account (the job's line, the table, sweep_summary.json): at
+# most this many characters of it, its head and tail; the rank's output holds it whole
+_EXCEPTION_HEAD = 600
+_EXCEPTION_TAIL = 300
 
 
 class RankTraceback(Exception):
@@ -364,6 +368,18 @@ def _raised(directory: Optional[Path]) -> str:
     return f"{type(error).__name__}: {message_of(error)}".splitlines()[0] if error is not None else ""
 
 
+def _bounded(exception: str, has_output: bool) -> str:
+    """An exception's line as the account says it: whole up to a few hundred characters, else
+    its head and tail, with how much was cut and where it is whole. A message of megabytes (a
+    tensor's repr, a whole config) would otherwise fill the console and the sweep's record."""
+    if len(exception) <= _EXCEPTION_HEAD + _EXCEPTION_TAIL:
+        return exception
+    cut = len(exception) - _EXCEPTION_HEAD - _EXCEPTION_TAIL
+    where = "the whole is in its output" if has_output else "the whole was on the rank's console"
+    head, tail = exception[:_EXCEPTION_HEAD], exception[-_EXCEPTION_TAIL:]
+    return f"{head} ... [{cut} characters cut: {where}] ... {tail}"
+
+
 @dataclass
 class _Failed:
     rank: int
@@ -434,9 +450,15 @@ def describe(
             return []
         return [f"its output: {shown_path(str(log), launch_dir)}"]
 
-    first = _Failed(root_rank, root.local_rank, root.pid, _cause(root), _exception_line(root))
+    def exception(line: str, local_rank: int) -> str:
+        return _bounded(line, bool(output(local_rank)))
+
+    first = _Failed(
+        root_rank, root.local_rank, root.pid, _cause(root), exception(_exception_line(root), root.local_rank)
+    )
     lines = [first.said(), *output(root.local_rank)]
     for other in _other_failures(error, error_dirs, nproc):
+        other.exception = exception(other.exception, other.local_rank)
         lines += [f"also failed: {other.said()}", *output(other.local_rank)]
     log = stderr_logs[root.local_rank] if stderr_logs and root.local_rank < len(stderr_logs) else None
     if _left_error_file(root):
@@ -467,8 +489,8 @@ def job_error(
             failed = JobFailedError(summary, failed.details, failed.tail)
         return told(failed, summary)
     first, *rest = summary.splitlines()
-    said = f": {_exception_line(root)}"
-    headline = first[: -len(said)] if first.endswith(said) else first
+    # the note says the rank and its exit: the exception's own line is printed above it
+    headline = first.split(": ", 1)[0] if _exception_line(root) else first
     return told(with_summary(rank_error, summary, "\n".join([headline, *rest])), summary)
 
 
