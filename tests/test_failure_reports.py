@@ -304,6 +304,26 @@ def _end_record(run: Run) -> dict:
     return end
 
 
+def test_an_exception_class_of_the_app_s_script_is_the_script_s_own(tmp_path: Path) -> None:
+    """`class AppError` of `python fault_app.py` (its `__main__`) reaches the launcher as that
+    class, as with Hydra's basic launcher: `except AppError` around the app's `main()` takes it
+    (Hydra raises the job's error there with HYDRA_FULL_ERROR=1), and every line names it
+    `AppError`, as Python does a class of `__main__`, never `__mp_main__.AppError`."""
+    run = _sweep(tmp_path, "mode=fail", "how=app_error")
+    assert run.returncode == 1, run.console
+    message = "AppError: rank 1's own AppError"
+    assert re.search(rf"rank 1 \(local_rank 1, pid \d+\) exited with code 1: {message}$", run.job_line(0)[0])
+    assert f"[default1]:{message}\n" in run.stderr, run.console  # the rank's own traceback
+    assert f"\n{message}\n" in run.last_word(), run.console  # Hydra's last word
+    assert "__mp_main__" not in run.stdout + run.stderr, run.console
+    assert _end_record(run)["error"] == message, _end_record(run)
+    _left_nothing(run)
+
+    full = _sweep(tmp_path, "mode=fail", "how=app_error", name="full_error", env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 1, full.console
+    assert "the launcher caught AppError of the script: rank 1's own AppError" in full.stderr, full.console
+
+
 def test_an_exception_whose_str_raises_is_still_named(tmp_path: Path) -> None:
     run = _sweep(tmp_path, "mode=fail", "how=bad_str")
     assert run.returncode == 1, run.console

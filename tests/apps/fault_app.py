@@ -28,7 +28,8 @@ ConfigStore.instance().store(
         # exit3 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
         # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
         # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
-        # KeyError, ...) | bad_str (its __str__ raises) | huge (a 2 MB message) | none
+        # KeyError, ...) | bad_str (its __str__ raises) | huge (a 2 MB message) | app_error
+        # (AppError, a class of this script) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
@@ -44,6 +45,10 @@ ConfigStore.instance().store(
         "hydra": {"callbacks": {"recorder": {"_target_": "recorder.Recorder"}}},
     },
 )
+
+
+class AppError(ValueError):
+    """An exception class of the script itself (`__main__` under `python fault_app.py`)."""
 
 
 def _job_dir() -> Path:
@@ -93,6 +98,8 @@ def _raise(how: str, rank: int) -> None:
         raise fault_errors.BadStr(f"rank {rank}")
     if how == "huge":  # 2 MB on one line
         raise ValueError("head " + "x" * 2_000_000 + " tail")
+    if how == "app_error":
+        raise AppError(f"rank {rank}'s own AppError")
     if how == "by_rank":
         kinds = [ValueError, KeyError, RuntimeError, TypeError]
         raise kinds[rank % len(kinds)](f"rank {rank}'s own error")
@@ -213,4 +220,8 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except AppError as e:  # with HYDRA_FULL_ERROR=1 Hydra raises the failed job's error here
+        print(f"the launcher caught {type(e).__qualname__} of the script: {e}", file=sys.stderr, flush=True)
+        raise

@@ -23,9 +23,11 @@ exception alone, whose pickling it would otherwise depend on. A failure with no 
 exception (a signal, an exit code, a script) stays a `_job.failures.JobFailedError`.
 """
 
+import io
 import json
 import os
 import pickle
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -72,9 +74,40 @@ def _frames(tb: Optional[TracebackType]) -> _Frames:
     return frames
 
 
+def _script_class(qualname: str, by_value: bytes) -> type:
+    """A class the app's script defined, where it arrives: the script's own class when this
+    process runs the script as `__main__` (the launcher: `python app.py`), so that
+    `isinstance(error, AppError)` holds there and it prints as `AppError`, as with Hydra's own
+    launchers; elsewhere (the job's process) the copy that came by value."""
+    found: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and found.__module__ == "__main__" and found.__qualname__ == qualname:
+        return found
+    kind = pickle.loads(by_value)
+    assert isinstance(kind, type)
+    return kind
+
+
+class _ScriptClassPickler(cloudpickle.Pickler):
+    """cloudpickle, but a class of the app's script (`__main__`: a rank names the classes of
+    its script body so, `_rank.script`) goes by its name too, beside its copy by value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            return _script_class, (obj.__qualname__, cloudpickle.dumps(obj))
+        return super().reducer_override(obj)
+
+
+def _cloudpickled(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _ScriptClassPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def _dumps(value: Any) -> Optional[bytes]:
     try:
-        return cloudpickle.dumps(value)
+        return _cloudpickled(value)
     except Exception:
         return None
 
@@ -83,7 +116,7 @@ def _pickled(error: BaseException) -> "Tuple[Optional[bytes], List[str]]":
     """The exception pickled alone, if it comes back as its own type with its message; and
     the names of its attributes that the trip loses (a `__reduce__` that keeps only `args`)."""
     try:
-        data = cloudpickle.dumps(error)
+        data = _cloudpickled(error)
         back = pickle.loads(data)
         same = type(back) is type(error) and message_of(back) == message_of(error)
     except Exception:
