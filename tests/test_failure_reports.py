@@ -518,7 +518,9 @@ def test_a_rank_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Pa
 # --- 5. nothing left behind after a process killed outright -----------------------------------
 
 
-def test_a_job_process_killed_outright_leaves_no_private_dir(tmp_path: Path) -> None:
+def test_a_job_process_killed_outright_points_to_its_ranks_logs_and_leaves_no_private_dir(
+    tmp_path: Path,
+) -> None:
     proc, tmp = _start(tmp_path, "mode=sleep", "good_jobs=[1]", "+x=0,1")
     job_dir = tmp_path / "multirun" / "0"
     try:
@@ -530,11 +532,24 @@ def test_a_job_process_killed_outright_leaves_no_private_dir(tmp_path: Path) -> 
     finally:
         run = _finish(tmp_path, proc)
     assert run.returncode == 1, run.console
+    first, *rest = run.job_line(0)
     assert re.search(
-        rf"FAILED in [\d.]+s: the job's process \(pid {job_process.pid}\) was killed by signal SIGKILL",
-        run.job_line(0)[0],
+        rf"FAILED in [\d.]+s: the job's process \(pid {job_process.pid}\) was killed by signal SIGKILL "
+        r"before reporting a result$",
+        first,
+    ), run.console
+    # the ranks died with it, unheard: where they wrote is said, as for a rank that failed
+    assert len(rest) == 1, run.console
+    logs = re.fullmatch(
+        r"its ranks' output: (multirun/0/torchrun_logs/[^/ ]+/attempt_0) "
+        r"\(stdout\.log, stderr\.log of each\)",
+        rest[0],
     )
+    assert logs, run.console
+    assert all((tmp_path / logs[1] / str(rank) / "stderr.log").is_file() for rank in (0, 1)), run.console
     assert [job["status"] for job in run.summary()] == ["FAILED", "COMPLETED"]
+    assert run.summary()[0]["error"].splitlines() == run.account(0), run.summary()
+    assert rest[0] in run.last_word(), run.console
     _left_nothing(run)  # the warm server removed what the job's process could not
 
 
