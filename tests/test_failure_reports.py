@@ -515,6 +515,44 @@ def test_a_rank_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Pa
     _left_nothing(run)
 
 
+def test_a_training_script_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Path) -> None:
+    """As a task's rank: a rank that runs a training script (`python train.py`) is asked for
+    its stack too (the launcher's `sitecustomize` registered it, and left no other trace)."""
+    timeout = 15
+    run = _sweep(
+        tmp_path,
+        "hydra.launcher.training_script=app/hang_script.py",
+        f"hydra.launcher.job_timeout={timeout}",
+        "hydra.launcher.shutdown_timeout=1",
+    )
+    assert run.returncode == 1, run.console
+    lines = run.account(0)
+    assert lines[0] == f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped", (
+        run.console
+    )
+    rank0 = r"still running: rank 0 \(local_rank 0, pid \d+\) in _forever \(hang_script\.py:\d+\)"
+    rank1 = (
+        r"still running: rank 1 \(local_rank 1, pid \d+\) in barrier \(distributed_c10d\.py:\d+\), "
+        r"called from <module> \(hang_script\.py:\d+\)"
+    )
+    assert re.fullmatch(rank0, lines[1]) and re.fullmatch(rank1, lines[3]), run.console
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/0/stderr\.log", lines[2])
+    assert len(lines) == 5, run.console
+    (job,) = run.summary()
+    assert job["status"] == "FAILED" and job["error"].splitlines() == lines, job
+    told = run.last_word()
+    for rank, frame in ((0, "in _forever"), (1, "in <module>")):
+        assert (
+            f"rank {rank}'s last lines of stderr:\nrank {rank} waits (stack hook in sight: False)" in told
+        ), run.console
+        stack = told.split(f"rank {rank}'s stack when it was stopped:\n", 1)[1]
+        assert re.search(rf'File ".*hang_script\.py", line \d+ {frame}', stack.split("\nrank ", 1)[0]), (
+            run.console
+        )
+    assert "stack: not known" not in told, run.console
+    _left_nothing(run)
+
+
 # --- 5. nothing left behind after a process killed outright -----------------------------------
 
 

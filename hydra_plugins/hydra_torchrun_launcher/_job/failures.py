@@ -545,6 +545,12 @@ def _threads(dump: List[str]) -> List[List[str]]:
     return threads
 
 
+def _entered(thread: List[str]) -> bool:
+    """Whether the thread runs the launcher's rank entry (`run_rank`): a task's main thread."""
+    matches = [_DUMPED_FRAME.match(line) for line in thread[1:]]
+    return any(match is not None and _is_rank_entry(match) for match in matches)
+
+
 def _task_frames(thread: List[str]) -> List["re.Match[str]"]:
     """The frames of a thread above the rank's entry point (most recent first)."""
     frames = []
@@ -566,10 +572,12 @@ def _stack(dump: List[str]) -> "Tuple[List[str], str]":
     threads = _threads(dump)
     shown: List[str] = []
     where = ""
-    for thread in threads:
+    entered = [_entered(thread) for thread in threads]
+    for thread, entry in zip(threads, entered):
         frames = _task_frames(thread)
-        matches = [_DUMPED_FRAME.match(line) for line in thread[1:]]
-        main = any(match is not None and _is_rank_entry(match) for match in matches)
+        # the thread that runs the task; in a training script's rank (no entry of the
+        # launcher's), the one that runs the script's body
+        main = entry or (not any(entered) and any(m["name"] == "<module>" for m in frames))
         shown += [thread[0], *(f'  File "{m["file"]}", line {m["line"]} in {m["name"]}' for m in frames)]
         if main and frames:
             first = frames[0]
@@ -627,5 +635,6 @@ def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Opti
         if stack:
             tail += [f"{name}'s stack when it was stopped:", *stack[:_STACK_LINES]]
         elif not report.dumped:
-            tail.append(f"{name}'s stack: not known (a script or a launch prefix runs there)")
+            unknown = "not known (a launch prefix or a program not Python runs there)"
+            tail.append(f"{name}'s stack: {unknown}")
     return job_failed("\n".join(lines), tail="\n".join(tail))
