@@ -309,7 +309,8 @@ def test_an_exception_class_of_the_app_s_script_is_the_script_s_own(tmp_path: Pa
     class, as with Hydra's basic launcher: `except AppError` around the app's `main()` takes it
     (Hydra raises the job's error there with HYDRA_FULL_ERROR=1), and every line names it
     `AppError`, as Python does a class of `__main__`, never `__mp_main__.AppError`."""
-    run = _sweep(tmp_path, "mode=fail", "how=app_error")
+    seen = "+hydra.callbacks.seen._target_=__main__.AppErrorSeen"  # a callback of the script
+    run = _sweep(tmp_path, "mode=fail", "how=app_error", seen)
     assert run.returncode == 1, run.console
     message = "AppError: rank 1's own AppError"
     assert re.search(rf"rank 1 \(local_rank 1, pid \d+\) exited with code 1: {message}$", run.job_line(0)[0])
@@ -317,6 +318,8 @@ def test_an_exception_class_of_the_app_s_script_is_the_script_s_own(tmp_path: Pa
     assert f"\n{message}\n" in run.last_word(), run.console  # Hydra's last word
     assert "__mp_main__" not in run.stdout + run.stderr, run.console
     assert _end_record(run)["error"] == message, _end_record(run)
+    # in the job's process too, where on_job_end runs: the error is the script's AppError
+    assert (run.sweep_dir / "app_error_seen").read_text() == "True"
     _left_nothing(run)
 
     full = _sweep(tmp_path, "mode=fail", "how=app_error", name="full_error", env={"HYDRA_FULL_ERROR": "1"})

@@ -11,10 +11,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
 
 # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
 VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
@@ -49,6 +52,17 @@ ConfigStore.instance().store(
 
 class AppError(ValueError):
     """An exception class of the script itself (`__main__` under `python fault_app.py`)."""
+
+
+class AppErrorSeen(Callback):
+    """A callback of the script itself (`+hydra.callbacks.seen._target_=__main__.AppErrorSeen`):
+    in the job's process, whether a failed job's error is this script's AppError, in
+    `<sweep dir>/app_error_seen`."""
+
+    def on_job_end(self, config: Any, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.FAILED:
+            seen = isinstance(job_return._return_value, AppError)
+            (Path(str(config.hydra.sweep.dir)) / "app_error_seen").write_text(str(seen))
 
 
 def _job_dir() -> Path:

@@ -78,15 +78,34 @@ def _script_class(qualname: str, by_value: bytes) -> type:
     """A class the app's script defined, where it arrives: the script's own class when this
     process runs the script as `__main__` (the launcher: `python app.py`), so that
     `isinstance(error, AppError)` holds there and it prints as `AppError`, as with Hydra's own
-    launchers; elsewhere (the job's process) the copy that came by value."""
+    launchers; elsewhere (the job's process, where the `on_job_*` callbacks run) the copy of
+    that name it already has (`_arrived`), else this one."""
     found: Any = sys.modules.get("__main__")
     for part in qualname.split("."):
         found = getattr(found, part, None)
     if isinstance(found, type) and found.__module__ == "__main__" and found.__qualname__ == qualname:
         return found
+    known = _arrived(qualname)
+    if known is not None:
+        return known
     kind = pickle.loads(by_value)
     assert isinstance(kind, type)
     return kind
+
+
+def _arrived(qualname: str) -> Optional[type]:
+    """The first copy by value of the script's class `qualname` in this process: in the job's
+    process, the launcher's (its callbacks' globals came with the job's request). cloudpickle
+    keeps, weakly, every class it made by value, in the order made; a cloudpickle without
+    that registry finds none (the arriving copy is then used). A class made in a function
+    (`<locals>`) has no name to share."""
+    if "<locals>" in qualname:
+        return None
+    made = getattr(cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", {})
+    for kind in list(made.values()):
+        if isinstance(kind, type) and kind.__module__ == "__main__" and kind.__qualname__ == qualname:
+            return kind
+    return None
 
 
 class _ScriptClassPickler(cloudpickle.Pickler):
@@ -99,7 +118,8 @@ class _ScriptClassPickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _cloudpickled(value: Any) -> bytes:
+def _script_pickled(value: Any) -> bytes:
+    """`cloudpickle.dumps(value)`, with the app's script's classes by name too."""
     buffer = io.BytesIO()
     _ScriptClassPickler(buffer).dump(value)
     return buffer.getvalue()
@@ -107,7 +127,7 @@ def _cloudpickled(value: Any) -> bytes:
 
 def _dumps(value: Any) -> Optional[bytes]:
     try:
-        return _cloudpickled(value)
+        return _script_pickled(value)
     except Exception:
         return None
 
@@ -116,7 +136,7 @@ def _pickled(error: BaseException) -> "Tuple[Optional[bytes], List[str]]":
     """The exception pickled alone, if it comes back as its own type with its message; and
     the names of its attributes that the trip loses (a `__reduce__` that keeps only `args`)."""
     try:
-        data = _cloudpickled(error)
+        data = _script_pickled(error)
         back = pickle.loads(data)
         same = type(back) is type(error) and message_of(back) == message_of(error)
     except Exception:
