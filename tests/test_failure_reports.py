@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Set
+from typing import Dict, List, NamedTuple, Optional, Set
 
 import psutil
 import pytest
@@ -90,9 +90,12 @@ def _env(tmp: Path) -> Dict[str, str]:
     return env
 
 
-def _start(tmp_path: Path, *overrides: str, name: str = "multirun") -> "tuple[subprocess.Popen, Path]":
+def _start(
+    tmp_path: Path, *overrides: str, name: str = "multirun", env: Optional[Dict[str, str]] = None
+) -> "tuple[subprocess.Popen, Path]":
     """`python app/fault_app.py -m ...` from its project dir, as a user runs it, its output to
-    files (a process left behind holding a pipe would hang the test instead of failing it)."""
+    files (a process left behind holding a pipe would hang the test instead of failing it);
+    `env`: more environment variables."""
     _install(tmp_path)
     tmp = tmp_path / "tmp"
     tmp.mkdir(exist_ok=True)
@@ -108,7 +111,7 @@ def _start(tmp_path: Path, *overrides: str, name: str = "multirun") -> "tuple[su
         proc = subprocess.Popen(
             command,
             cwd=tmp_path,
-            env=_env(tmp),
+            env={**_env(tmp), **(env or {})},
             stdout=out,
             stderr=err,
             start_new_session=True,
@@ -133,8 +136,10 @@ def _finish(tmp_path: Path, proc: subprocess.Popen, name: str = "multirun") -> R
     )
 
 
-def _sweep(tmp_path: Path, *overrides: str, name: str = "multirun") -> Run:
-    proc, _ = _start(tmp_path, *overrides, name=name)
+def _sweep(
+    tmp_path: Path, *overrides: str, name: str = "multirun", env: Optional[Dict[str, str]] = None
+) -> Run:
+    proc, _ = _start(tmp_path, *overrides, name=name, env=env)
     return _finish(tmp_path, proc, name)
 
 
@@ -287,6 +292,76 @@ def test_any_exception_keeps_the_rank_its_exit_and_its_log(tmp_path: Path, how: 
 
     # plain torchrun names the same rank, with the same exit code, as the first cause
     assert _torchrun_failures(_torchrun(tmp_path, "mode=fail", f"how={how}"))[0] == TorchrunFailure(1, 1)
+
+
+def _end_record(run: Run) -> dict:
+    """What the Recorder callback saw of job 0's end, in the job's process."""
+    (end,) = [
+        json.loads(line)
+        for line in (run.sweep_dir / "jobs.jsonl").read_text().splitlines()
+        if '"end"' in line
+    ]
+    return end
+
+
+def test_an_exception_class_of_the_app_s_script_is_the_script_s_own(tmp_path: Path) -> None:
+    """`class AppError` of `python fault_app.py` (its `__main__`) reaches the launcher as that
+    class, as with Hydra's basic launcher: `except AppError` around the app's `main()` takes it
+    (Hydra raises the job's error there with HYDRA_FULL_ERROR=1), and every line names it
+    `AppError`, as Python does a class of `__main__`, never `__mp_main__.AppError`."""
+    seen = "+hydra.callbacks.seen._target_=__main__.AppErrorSeen"  # a callback of the script
+    run = _sweep(tmp_path, "mode=fail", "how=app_error", seen)
+    assert run.returncode == 1, run.console
+    message = "AppError: rank 1's own AppError"
+    assert re.search(rf"rank 1 \(local_rank 1, pid \d+\) exited with code 1: {message}$", run.job_line(0)[0])
+    assert f"[default1]:{message}\n" in run.stderr, run.console  # the rank's own traceback
+    assert f"\n{message}\n" in run.last_word(), run.console  # Hydra's last word
+    assert "__mp_main__" not in run.stdout + run.stderr, run.console
+    assert _end_record(run)["error"] == message, _end_record(run)
+    # in the job's process too, where on_job_end runs: the error is the script's AppError
+    assert (run.sweep_dir / "app_error_seen").read_text() == "True"
+    _left_nothing(run)
+
+    full = _sweep(tmp_path, "mode=fail", "how=app_error", name="full_error", env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 1, full.console
+    assert "the launcher caught AppError of the script: rank 1's own AppError" in full.stderr, full.console
+
+
+def test_an_exception_whose_str_raises_is_still_named(tmp_path: Path) -> None:
+    run = _sweep(tmp_path, "mode=fail", "how=bad_str")
+    assert run.returncode == 1, run.console
+    said = "BadStr: <its message could not be rendered: its __str__ raised TypeError: no str for this one>"
+    first, output = run.job_line(0)[:2]
+    assert re.search(rf"rank 1 \(local_rank 1, pid \d+\) exited with code 1: {re.escape(said)}$", first), (
+        run.console
+    )
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log", output)
+    (job,) = run.summary()
+    assert job["error"].splitlines() == run.account(0), job
+    # Hydra's last word: the exception itself, as Python prints one whose __str__ raises
+    assert "fault_errors.BadStr: <exception str() failed>" in run.last_word(), run.console
+    assert "in _raise" in run.last_word(), run.console  # with the rank's frames
+    assert _end_record(run)["error"] == "BadStr: <exception str() failed>", _end_record(run)
+    _left_nothing(run)
+
+
+def test_a_huge_message_is_cut_in_the_account_and_whole_in_the_log(tmp_path: Path) -> None:
+    run = _sweep(tmp_path, "mode=fail", "how=huge")
+    assert run.returncode == 1, run.console
+    first, output = run.job_line(0)[:2]
+    cut = re.search(
+        r"exited with code 1: ValueError: head x+ \.\.\. \[(\d+) characters cut: the whole is in its "
+        r"output\] \.\.\. x+ tail$",
+        first,
+    )
+    assert cut and len(first) < 2000, first[:3000]
+    assert int(cut[1]) + (len(first) - first.index("ValueError")) > 2_000_000
+    (job,) = run.summary()
+    assert job["error"].splitlines() == run.account(0) and len(job["error"]) < 2000, job["error"][:3000]
+    log = re.fullmatch(r"its output: (multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log)", output)
+    assert log, output
+    assert "ValueError: head " + "x" * 2_000_000 + " tail" in (tmp_path / log[1]).read_text()
+    _left_nothing(run)
 
 
 # --- 2. several ranks fail -----------------------------------------------------------------
@@ -443,10 +518,50 @@ def test_a_rank_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Pa
     _left_nothing(run)
 
 
+def test_a_training_script_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Path) -> None:
+    """As a task's rank: a rank that runs a training script (`python train.py`) is asked for
+    its stack too (the launcher's `sitecustomize` registered it, and left no other trace)."""
+    timeout = 15
+    run = _sweep(
+        tmp_path,
+        "hydra.launcher.training_script=app/hang_script.py",
+        f"hydra.launcher.job_timeout={timeout}",
+        "hydra.launcher.shutdown_timeout=1",
+    )
+    assert run.returncode == 1, run.console
+    lines = run.account(0)
+    assert lines[0] == f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped", (
+        run.console
+    )
+    rank0 = r"still running: rank 0 \(local_rank 0, pid \d+\) in _forever \(hang_script\.py:\d+\)"
+    rank1 = (
+        r"still running: rank 1 \(local_rank 1, pid \d+\) in barrier \(distributed_c10d\.py:\d+\), "
+        r"called from <module> \(hang_script\.py:\d+\)"
+    )
+    assert re.fullmatch(rank0, lines[1]) and re.fullmatch(rank1, lines[3]), run.console
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/0/stderr\.log", lines[2])
+    assert len(lines) == 5, run.console
+    (job,) = run.summary()
+    assert job["status"] == "FAILED" and job["error"].splitlines() == lines, job
+    told = run.last_word()
+    for rank, frame in ((0, "in _forever"), (1, "in <module>")):
+        assert (
+            f"rank {rank}'s last lines of stderr:\nrank {rank} waits (stack hook in sight: False)" in told
+        ), run.console
+        stack = told.split(f"rank {rank}'s stack when it was stopped:\n", 1)[1]
+        assert re.search(rf'File ".*hang_script\.py", line \d+ {frame}', stack.split("\nrank ", 1)[0]), (
+            run.console
+        )
+    assert "stack: not known" not in told, run.console
+    _left_nothing(run)
+
+
 # --- 5. nothing left behind after a process killed outright -----------------------------------
 
 
-def test_a_job_process_killed_outright_leaves_no_private_dir(tmp_path: Path) -> None:
+def test_a_job_process_killed_outright_points_to_its_ranks_logs_and_leaves_no_private_dir(
+    tmp_path: Path,
+) -> None:
     proc, tmp = _start(tmp_path, "mode=sleep", "good_jobs=[1]", "+x=0,1")
     job_dir = tmp_path / "multirun" / "0"
     try:
@@ -458,11 +573,24 @@ def test_a_job_process_killed_outright_leaves_no_private_dir(tmp_path: Path) -> 
     finally:
         run = _finish(tmp_path, proc)
     assert run.returncode == 1, run.console
+    first, *rest = run.job_line(0)
     assert re.search(
-        rf"FAILED in [\d.]+s: the job's process \(pid {job_process.pid}\) was killed by signal SIGKILL",
-        run.job_line(0)[0],
+        rf"FAILED in [\d.]+s: the job's process \(pid {job_process.pid}\) was killed by signal SIGKILL "
+        r"before reporting a result$",
+        first,
+    ), run.console
+    # the ranks died with it, unheard: where they wrote is said, as for a rank that failed
+    assert len(rest) == 1, run.console
+    logs = re.fullmatch(
+        r"its ranks' output: (multirun/0/torchrun_logs/[^/ ]+/attempt_0) "
+        r"\(stdout\.log, stderr\.log of each\)",
+        rest[0],
     )
+    assert logs, run.console
+    assert all((tmp_path / logs[1] / str(rank) / "stderr.log").is_file() for rank in (0, 1)), run.console
     assert [job["status"] for job in run.summary()] == ["FAILED", "COMPLETED"]
+    assert run.summary()[0]["error"].splitlines() == run.account(0), run.summary()
+    assert rest[0] in run.last_word(), run.console
     _left_nothing(run)  # the warm server removed what the job's process could not
 
 

@@ -11,10 +11,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
 
 # Hydra 1.4 warns when version_base is given, Hydra 1.3 when it is not
 VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
@@ -28,7 +31,8 @@ ConfigStore.instance().store(
         # exit3 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
         # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
         # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
-        # KeyError, ...) | none
+        # KeyError, ...) | bad_str (its __str__ raises) | huge (a 2 MB message) | app_error
+        # (AppError, a class of this script) | none
         "bad_rank": 1,
         "how": "SIGKILL",
         # fail: what the other ranks do meanwhile: sleep | barrier | all_reduce
@@ -44,6 +48,21 @@ ConfigStore.instance().store(
         "hydra": {"callbacks": {"recorder": {"_target_": "recorder.Recorder"}}},
     },
 )
+
+
+class AppError(ValueError):
+    """An exception class of the script itself (`__main__` under `python fault_app.py`)."""
+
+
+class AppErrorSeen(Callback):
+    """A callback of the script itself (`+hydra.callbacks.seen._target_=__main__.AppErrorSeen`):
+    in the job's process, whether a failed job's error is this script's AppError, in
+    `<sweep dir>/app_error_seen`."""
+
+    def on_job_end(self, config: Any, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.FAILED:
+            seen = isinstance(job_return._return_value, AppError)
+            (Path(str(config.hydra.sweep.dir)) / "app_error_seen").write_text(str(seen))
 
 
 def _job_dir() -> Path:
@@ -89,6 +108,12 @@ def _raise(how: str, rank: int) -> None:
         raise fault_errors.Unpicklable(f"rank {rank} holds a lock")
     if how == "needs_args":
         raise fault_errors.NeedsArguments("zero_stage", 9)
+    if how == "bad_str":
+        raise fault_errors.BadStr(f"rank {rank}")
+    if how == "huge":  # 2 MB on one line
+        raise ValueError("head " + "x" * 2_000_000 + " tail")
+    if how == "app_error":
+        raise AppError(f"rank {rank}'s own AppError")
     if how == "by_rank":
         kinds = [ValueError, KeyError, RuntimeError, TypeError]
         raise kinds[rank % len(kinds)](f"rank {rank}'s own error")
@@ -209,4 +234,8 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except AppError as e:  # with HYDRA_FULL_ERROR=1 Hydra raises the failed job's error here
+        print(f"the launcher caught {type(e).__qualname__} of the script: {e}", file=sys.stderr, flush=True)
+        raise

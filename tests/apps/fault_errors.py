@@ -30,3 +30,10 @@ class NeedsArguments(Exception):
         super().__init__(f"bad {field}: {value!r}")
         self.field = field
         self.value = value
+
+
+class BadStr(RuntimeError):
+    """Its `__str__` raises: its message cannot be rendered at all."""
+
+    def __str__(self) -> str:
+        raise TypeError("no str for this one")

@@ -33,6 +33,14 @@ def _write(config: DictConfig, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def _text(error: BaseException) -> str:
+    """Its message, or what Python's traceback prints where its `__str__` raises."""
+    try:
+        return str(error)
+    except Exception:
+        return "<exception str() failed>"
+
+
 class Recorder(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         _write(config, {"event": "start", "num": config.hydra.job.num, "t": time.time(), **_process_stats()})
@@ -48,9 +56,9 @@ class Recorder(Callback):
         if job_return.status == JobStatus.COMPLETED:
             record["value"] = repr(value)
         else:
-            record["error"] = f"{type(value).__name__}: {value}"
+            record["error"] = f"{type(value).__name__}: {_text(value)}"
             # the launcher's account of it, rank first (kept on a rank's own exception)
-            record["summary"] = getattr(value, "hydra_torchrun_summary", None) or str(value)
+            record["summary"] = getattr(value, "hydra_torchrun_summary", None) or _text(value)
             # the error as Python prints it: the failed rank's frames, or its traceback chained
             record["traceback"] = "".join(traceback.format_exception(type(value), value, value.__traceback__))
             # its own attributes, as the job's process has it back from the rank

@@ -231,7 +231,12 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
             command = script_command(plan)
         spec_file = private_dir / "rank.json"
         stop_signal = stop_signal_of(conf)
-        spec = {"command": [*conf.launch_prefix, *command], "ignore_signal": stop_signal and int(stop_signal)}
+        spec = {
+            "command": [*conf.launch_prefix, *command],
+            "ignore_signal": stop_signal and int(stop_signal),
+            # a training script that python runs can be asked for its stack (`_rank.main`)
+            "stack_hook": conf.training_script is not None and not conf.no_python,
+        }
         _write_private(spec_file, json.dumps(spec).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
         return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console, earlier)

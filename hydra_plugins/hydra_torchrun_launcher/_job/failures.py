@@ -30,7 +30,14 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._rank.error import EXCEPTION_FILE, SUMMARY_ATTR, FailureAccount, read_rank_exception, with_summary
+from .._rank.error import (
+    EXCEPTION_FILE,
+    SUMMARY_ATTR,
+    FailureAccount,
+    message_of,
+    read_rank_exception,
+    with_summary,
+)
 from .._shared.paths import shown_path
 from .._shared.signals import group_signals
 from .._shared.stop_files import LiveRank
@@ -45,6 +52,10 @@ _NO_ERROR_FILE = "<N/A>"
 _ERROR_FILE = "error.json"
 # the signals by which the agent itself stops a rank: a rank they ended did not fail
 _STOPPING = (-signal.SIGTERM, -signal.SIGKILL)
+# a rank's exception in the account (the job's line, the table, sweep_summary.json): at
+# most this many characters of it, its head and tail; the rank's output holds it whole
+_EXCEPTION_HEAD = 600
+_EXCEPTION_TAIL = 300
 
 
 class RankTraceback(Exception):
@@ -354,7 +365,19 @@ def _raised(directory: Optional[Path]) -> str:
     if not (directory / EXCEPTION_FILE).is_file():
         return ""
     error = read_rank_exception(str(directory / _ERROR_FILE))
-    return f"{type(error).__name__}: {error}".splitlines()[0] if error is not None else ""
+    return f"{type(error).__name__}: {message_of(error)}".splitlines()[0] if error is not None else ""
+
+
+def _bounded(exception: str, has_output: bool) -> str:
+    """An exception's line as the account says it: whole up to a few hundred characters, else
+    its head and tail, with how much was cut and where it is whole. A message of megabytes (a
+    tensor's repr, a whole config) would otherwise fill the console and the sweep's record."""
+    if len(exception) <= _EXCEPTION_HEAD + _EXCEPTION_TAIL:
+        return exception
+    cut = len(exception) - _EXCEPTION_HEAD - _EXCEPTION_TAIL
+    where = "the whole is in its output" if has_output else "the whole was on the rank's console"
+    head, tail = exception[:_EXCEPTION_HEAD], exception[-_EXCEPTION_TAIL:]
+    return f"{head} ... [{cut} characters cut: {where}] ... {tail}"
 
 
 @dataclass
@@ -427,9 +450,15 @@ def describe(
             return []
         return [f"its output: {shown_path(str(log), launch_dir)}"]
 
-    first = _Failed(root_rank, root.local_rank, root.pid, _cause(root), _exception_line(root))
+    def exception(line: str, local_rank: int) -> str:
+        return _bounded(line, bool(output(local_rank)))
+
+    first = _Failed(
+        root_rank, root.local_rank, root.pid, _cause(root), exception(_exception_line(root), root.local_rank)
+    )
     lines = [first.said(), *output(root.local_rank)]
     for other in _other_failures(error, error_dirs, nproc):
+        other.exception = exception(other.exception, other.local_rank)
         lines += [f"also failed: {other.said()}", *output(other.local_rank)]
     log = stderr_logs[root.local_rank] if stderr_logs and root.local_rank < len(stderr_logs) else None
     if _left_error_file(root):
@@ -460,8 +489,8 @@ def job_error(
             failed = JobFailedError(summary, failed.details, failed.tail)
         return told(failed, summary)
     first, *rest = summary.splitlines()
-    said = f": {_exception_line(root)}"
-    headline = first[: -len(said)] if first.endswith(said) else first
+    # the note says the rank and its exit: the exception's own line is printed above it
+    headline = first.split(": ", 1)[0] if _exception_line(root) else first
     return told(with_summary(rank_error, summary, "\n".join([headline, *rest])), summary)
 
 
@@ -516,6 +545,12 @@ def _threads(dump: List[str]) -> List[List[str]]:
     return threads
 
 
+def _entered(thread: List[str]) -> bool:
+    """Whether the thread runs the launcher's rank entry (`run_rank`): a task's main thread."""
+    matches = [_DUMPED_FRAME.match(line) for line in thread[1:]]
+    return any(match is not None and _is_rank_entry(match) for match in matches)
+
+
 def _task_frames(thread: List[str]) -> List["re.Match[str]"]:
     """The frames of a thread above the rank's entry point (most recent first)."""
     frames = []
@@ -537,10 +572,12 @@ def _stack(dump: List[str]) -> "Tuple[List[str], str]":
     threads = _threads(dump)
     shown: List[str] = []
     where = ""
-    for thread in threads:
+    entered = [_entered(thread) for thread in threads]
+    for thread, entry in zip(threads, entered):
         frames = _task_frames(thread)
-        matches = [_DUMPED_FRAME.match(line) for line in thread[1:]]
-        main = any(match is not None and _is_rank_entry(match) for match in matches)
+        # the thread that runs the task; in a training script's rank (no entry of the
+        # launcher's), the one that runs the script's body
+        main = entry or (not any(entered) and any(m["name"] == "<module>" for m in frames))
         shown += [thread[0], *(f'  File "{m["file"]}", line {m["line"]} in {m["name"]}' for m in frames)]
         if main and frames:
             first = frames[0]
@@ -598,5 +635,6 @@ def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Opti
         if stack:
             tail += [f"{name}'s stack when it was stopped:", *stack[:_STACK_LINES]]
         elif not report.dumped:
-            tail.append(f"{name}'s stack: not known (a script or a launch prefix runs there)")
+            unknown = "not known (a launch prefix or a program not Python runs there)"
+            tail.append(f"{name}'s stack: {unknown}")
     return job_failed("\n".join(lines), tail="\n".join(tail))

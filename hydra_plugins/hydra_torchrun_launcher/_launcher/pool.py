@@ -23,14 +23,18 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
+from .._job.agent import job_log_dir
 from .._job.failures import JobFailedError
 from .._server.server import WarmServer
+from .._shared.paths import shown_path
+from .._shared.plan import JobPlan
 from .._shared.signals import group_signals, handled_by
 from .preempt import StopNotice, SweepStopped
 
@@ -135,7 +139,7 @@ def run_jobs(
                     os.close(finished.result_r)
                     del running[finished.idx]
                     pool.give_back(finished.devices)
-                    returns[finished.idx] = _job_return(server, finished)
+                    returns[finished.idx] = _job_return(server, finished, by_idx[finished.idx])
                     on_end(by_idx.pop(finished.idx), returns[finished.idx], stop.signum is not None)
                 _kill_overdue(running)
             if stop.signum is not None:
@@ -172,7 +176,7 @@ def _start(
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 
 
-def _job_return(server: WarmServer, job: RunningJob) -> JobReturn:
+def _job_return(server: WarmServer, job: RunningJob, plan: JobPlan) -> JobReturn:
     status = server.wait_exit(job.pid)
     if job.data:
         return cloudpickle.loads(b"".join(job.data))
@@ -180,9 +184,25 @@ def _job_return(server: WarmServer, job: RunningJob) -> JobReturn:
         how = f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
     else:
         how = f"exited with code {os.waitstatus_to_exitcode(status)}"
+    lines = [f"the job's process (pid {job.pid}) {how} before reporting a result", *_ranks_output(plan)]
     failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError(f"the job's process (pid {job.pid}) {how} before reporting a result")
+    failed.return_value = JobFailedError("\n".join(lines))
     return failed
+
+
+def _ranks_output(plan: JobPlan) -> List[str]:
+    """Where the ranks of a job whose process died wrote (its last attempt's dir of torch's
+    logs, a dir per local rank), for a job's error that can say nothing else of them: what
+    they printed up to their end (their parent-death signal) is there. [] before they ran."""
+    attempts = Path(job_log_dir(plan)).glob(f"{plan.rendezvous.run_id}_*/attempt_*")
+    latest = max(attempts, key=_modified, default=None)
+    if latest is None:
+        return []
+    return [f"its ranks' output: {shown_path(str(latest), plan.launch_dir)} (stdout.log, stderr.log of each)"]
+
+
+def _modified(path: Path) -> float:
+    return path.stat().st_mtime
 
 
 def _next_timeout(running: Dict[int, RunningJob]) -> Optional[float]:

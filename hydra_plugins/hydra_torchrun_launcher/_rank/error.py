@@ -23,8 +23,13 @@ exception alone, whose pickling it would otherwise depend on. A failure with no 
 exception (a signal, an exit code, a script) stays a `_job.failures.JobFailedError`.
 """
 
+import io
+import json
 import os
 import pickle
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, FrameType, TracebackType
@@ -69,9 +74,60 @@ def _frames(tb: Optional[TracebackType]) -> _Frames:
     return frames
 
 
+def _script_class(qualname: str, by_value: bytes) -> type:
+    """A class the app's script defined, where it arrives: the script's own class when this
+    process runs the script as `__main__` (the launcher: `python app.py`), so that
+    `isinstance(error, AppError)` holds there and it prints as `AppError`, as with Hydra's own
+    launchers; elsewhere (the job's process, where the `on_job_*` callbacks run) the copy of
+    that name it already has (`_arrived`), else this one."""
+    found: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if isinstance(found, type) and found.__module__ == "__main__" and found.__qualname__ == qualname:
+        return found
+    known = _arrived(qualname)
+    if known is not None:
+        return known
+    kind = pickle.loads(by_value)
+    assert isinstance(kind, type)
+    return kind
+
+
+def _arrived(qualname: str) -> Optional[type]:
+    """The first copy by value of the script's class `qualname` in this process: in the job's
+    process, the launcher's (its callbacks' globals came with the job's request). cloudpickle
+    keeps, weakly, every class it made by value, in the order made; a cloudpickle without
+    that registry finds none (the arriving copy is then used). A class made in a function
+    (`<locals>`) has no name to share."""
+    if "<locals>" in qualname:
+        return None
+    made = getattr(cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", {})
+    for kind in list(made.values()):
+        if isinstance(kind, type) and kind.__module__ == "__main__" and kind.__qualname__ == qualname:
+            return kind
+    return None
+
+
+class _ScriptClassPickler(cloudpickle.Pickler):
+    """cloudpickle, but a class of the app's script (`__main__`: a rank names the classes of
+    its script body so, `_rank.script`) goes by its name too, beside its copy by value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type) and obj.__module__ == "__main__":
+            return _script_class, (obj.__qualname__, cloudpickle.dumps(obj))
+        return super().reducer_override(obj)
+
+
+def _script_pickled(value: Any) -> bytes:
+    """`cloudpickle.dumps(value)`, with the app's script's classes by name too."""
+    buffer = io.BytesIO()
+    _ScriptClassPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def _dumps(value: Any) -> Optional[bytes]:
     try:
-        return cloudpickle.dumps(value)
+        return _script_pickled(value)
     except Exception:
         return None
 
@@ -80,9 +136,9 @@ def _pickled(error: BaseException) -> "Tuple[Optional[bytes], List[str]]":
     """The exception pickled alone, if it comes back as its own type with its message; and
     the names of its attributes that the trip loses (a `__reduce__` that keeps only `args`)."""
     try:
-        data = cloudpickle.dumps(error)
+        data = _script_pickled(error)
         back = pickle.loads(data)
-        same = type(back) is type(error) and str(back) == str(error)
+        same = type(back) is type(error) and message_of(back) == message_of(error)
     except Exception:
         return None, list(_attributes(error))
     if not same:
@@ -105,6 +161,49 @@ def _notes(error: BaseException) -> Optional[List[str]]:
     return [note for note in notes if isinstance(note, str)] if isinstance(notes, list) else None
 
 
+def _unrenderable(error: BaseException) -> Optional[str]:
+    """Why `str(error)` fails ("its __str__ raised TypeError: ..."); None when it renders."""
+    try:
+        str(error)
+    except Exception as e:
+        try:
+            why = f"{type(e).__name__}: {e}"
+        except Exception:  # its own message fails too: its type says enough
+            why = type(e).__name__
+        return f"its __str__ raised {why}"
+    return None
+
+
+def message_of(error: BaseException) -> str:
+    """`str(error)`, or, when its `__str__` raises, a line that says so and why (where Python's
+    traceback prints `<exception str() failed>`): the failure is still told, by its type."""
+    why = _unrenderable(error)
+    return str(error) if why is None else f"<its message could not be rendered: {why}>"
+
+
+def write_torch_error_file(error: BaseException, tb: Optional[TracebackType]) -> None:
+    """In a failing rank whose exception's `__str__` raises: torch's error file, which torch's
+    `record` cannot write then (it formats `f"{type(e).__name__}: {e}"` and fails on it), so
+    the job's error still names the exception's type, the rank and its exit (torch's format)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or _unrenderable(error) is None:
+        return  # torch's `record` writes it
+    data = {
+        "message": {
+            "message": f"{type(error).__name__}: {message_of(error)}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    try:
+        Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(error_file).write_text(json.dumps(data))
+    except OSError:
+        pass  # the job's error then names the rank and its exit, with its last lines
+
+
 def _node(error: BaseException, tb: Optional[TracebackType]) -> Tuple[Any, ...]:
     """(the exception pickled whole or None, its type's name, its message, its frames, and
     beside it what rebuilds it when it does not come back whole: its notes, its class, its
@@ -118,11 +217,7 @@ def _node(error: BaseException, tb: Optional[TracebackType]) -> Tuple[Any, ...]:
         "args": None if data is not None else _dumps(error.args),
         "attributes": {name: _dumps(attributes[name]) for name in lost},
     }
-    try:
-        message = str(error)
-    except Exception:
-        message = "<its message could not be read>"
-    return (data, f"{kind.__module__}.{kind.__qualname__}", message, _frames(tb), beside)
+    return (data, f"{kind.__module__}.{kind.__qualname__}", message_of(error), _frames(tb), beside)
 
 
 def freeze(error: BaseException, tb: Optional[TracebackType]) -> Optional[bytes]:
@@ -209,7 +304,7 @@ def _from_parts(beside: Dict[str, Any], message: str) -> Optional[BaseException]
         error = kind.__new__(kind, *args)
         error.args = args
         _restore(error, beside)
-        if str(error) != message:
+        if message_of(error) != message:
             return None
     except Exception:
         return None
@@ -322,7 +417,7 @@ def failure_summary(failed: Any) -> str:
         return account.summary
     error = failed._return_value if hasattr(failed, "_return_value") and hasattr(failed, "status") else failed
     summary = getattr(error, SUMMARY_ATTR, None)
-    return summary if isinstance(summary, str) else str(error)
+    return summary if isinstance(summary, str) else message_of(error)
 
 
 def _rebuild_job_return(kind: type, state: Dict[str, Any], frozen: bytes) -> Any:

@@ -2,7 +2,8 @@
 
     python -m hydra_plugins.hydra_torchrun_launcher._rank.main exec SPEC.json
         put the rank into `{rank}` / `{local_rank}` of the
-        command, then exec it (same pid, so the agent's signals reach the real program)
+        command, then exec it (same pid, so the agent's signals reach the real program); a
+        training script's Python starts with `stack_hook/sitecustomize.py` first
     python -m hydra_plugins.hydra_torchrun_launcher._rank.main task PAYLOAD RETURN_DIR
         run the task function from a payload file, as `_rank.worker.run_rank` does in-process
 
@@ -18,7 +19,11 @@ import sys
 from typing import Dict, List
 
 from hydra_plugins.hydra_torchrun_launcher._shared.lifetime import die_with_parent
-from hydra_plugins.hydra_torchrun_launcher._shared.stop_files import note_rank_process, note_rank_started
+from hydra_plugins.hydra_torchrun_launcher._shared.stop_files import (
+    STACK_HOOK_ENV,
+    note_rank_process,
+    note_rank_started,
+)
 
 
 def substitute_rank(args: List[str], environ: Dict[str, str]) -> List[str]:
@@ -41,8 +46,20 @@ def _exec(spec_path: str) -> None:
         signal.signal(spec["ignore_signal"], signal.SIG_IGN)
     note_rank_started()
     note_rank_process(dumps=False)  # this pid runs the rank's program: a script, or a prefix
+    if spec.get("stack_hook"):
+        _hook_stack_dump()
     command = substitute_rank(spec["command"], dict(os.environ))
     os.execvp(command[0], command)
+
+
+def _hook_stack_dump() -> None:
+    """The Python that runs the training script starts with `stack_hook/sitecustomize.py`,
+    which registers its stack dump (as a task's rank does) and notes its own pid as the one
+    that dumps (a launch prefix's program may start it as a child of this pid)."""
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stack_hook")
+    path = os.environ.get("PYTHONPATH")
+    os.environ[STACK_HOOK_ENV] = hook
+    os.environ["PYTHONPATH"] = hook if path is None else hook + os.pathsep + path
 
 
 def _task(payload_path: str, return_dir: str) -> None:

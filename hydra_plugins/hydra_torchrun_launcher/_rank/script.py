@@ -21,7 +21,7 @@ import os
 import random
 import sys
 from multiprocessing import spawn
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import Any, Callable, List, Optional
 
 import cloudpickle
@@ -71,6 +71,18 @@ def run_script(script: Optional[AppScript], overrides: List[str]) -> None:
     main = sys.modules.get("__mp_main__")
     if main is not None:
         cloudpickle.register_pickle_by_value(main)
+        _named_as_main(main)
+
+
+def _named_as_main(module: ModuleType) -> None:
+    """The classes the script's body defined are named `__main__.X`, as under `python app.py`
+    (and torchrun), not `__mp_main__.X`: a rank's traceback then says `AppError: ...` as
+    Python's does, and the class travels to the launcher by that name (`_rank.error`), where
+    it is the script's own. Pickling by that name still works here and in spawned workers,
+    whose `__main__` is this module too."""
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            value.__module__ = "__main__"
 
 
 def _ran_hydras_main(tb: Optional[TracebackType]) -> bool:

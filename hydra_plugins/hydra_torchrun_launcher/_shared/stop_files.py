@@ -36,6 +36,9 @@ RANK_PROCESSES_ENV = "HYDRA_TORCHRUN_RANK_PROCESSES"
 # a real-time one, which no library of a training (NCCL, Lightning's SLURM requeue: SIGUSR1)
 # takes for its own, and which the job's process sends only to a rank that registered it
 DUMP_SIGNAL = signal.SIGRTMIN + 6
+# a rank that runs a training script: the folder of the `sitecustomize` that registers its
+# dump (`_rank/stack_hook`), put first on its PYTHONPATH by its exec stage, which it removes
+STACK_HOOK_ENV = "HYDRA_TORCHRUN_STACK_HOOK"
 
 
 def stop_file() -> Optional[str]:
