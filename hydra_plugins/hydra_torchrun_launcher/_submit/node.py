@@ -24,6 +24,10 @@ often than `max_num_timeout` allows; when SLURM runs it again, its ranks see
 
 # ruff: noqa: E402 (the stop notice is held before any import: see below)
 import signal
+import time
+
+# when this node's run began, before its imports: its time as SLURM counts it, near enough
+_STARTED = time.time()
 
 # SLURM's stop notice (USR2: a preemption, `signal_delay_s` before the time limit) may come
 # in this process's first second, before its imports are done, where its default action
@@ -36,7 +40,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 import traceback
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -88,7 +91,6 @@ class _NoCallbacks:
 
 def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, str]) -> int:
     """Run this node's part of the job; `time_limit`: (signal_delay_s, max_num_timeout)."""
-    started = time.time()
     # what an earlier job's process on this node left when it was killed outright (the OOM
     # killer, a second scancel): this node's process outlives it
     try:
@@ -164,7 +166,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
                 return 0  # SLURM ends this run; the job's result comes from the next
         else:
             job_return = _failed(job_return, refused)
-    setattr(job_return, RUN_TIME_ATTR, round(time.time() - started, 3))
+    setattr(job_return, RUN_TIME_ATTR, round(time.time() - _STARTED, 3))
     write_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0
