@@ -21,6 +21,7 @@ from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
 from tests.test_slurm_submit import (
     QUEUE_EMPTIES_S,
     SWEEP_TIMEOUT_S,
+    _command,
     _once_running,
     _queue,
     _start,
@@ -31,7 +32,9 @@ from tests.test_slurm_submit import (
 )
 from tests.test_sweep_cli import _env, _tool
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
+# composing and submitting a thousand jobs (Hydra's validation, then the launcher's)
+THOUSAND_JOBS_TIMEOUT_S = 800
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +205,45 @@ def test_detach_refuses_a_sweeper_that_needs_results_between_batches(
     assert "Traceback" not in output, output
     assert not (app_dir / "sweep" / ".slurm").exists()
     assert not _queue(cluster)
+
+
+def test_a_thousand_one_node_jobs_detach_status_and_cancel(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    """A sweep of a thousand jobs submitted detached, as from a login node: every job is in
+    SLURM's queue once the command ends (in arrays submitted as the jobs were composed),
+    `torchrun-sweep status` reads the whole sweep, `cancel` cancels every job. The jobs are
+    submitted held (`sbatch --hold`), so that none takes this small machine's CPU; what the
+    submission costs against Hydra's own validation is measured by
+    benchmarks/slurm_submit.py --detach --hold (docs/login-node.md)."""
+    jobs = 1000
+    result = subprocess.run(
+        _command(
+            "hydra.launcher.detach=true",
+            "+hydra.launcher.additional_parameters.hold=true",
+            f"x=range(0,{jobs})",
+        ),
+        cwd=app_dir,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=THOUSAND_JOBS_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f"Detached: {jobs} job(s) submitted to SLURM" in output, output[-3000:]
+    ids = _submitted_ids(app_dir)
+    assert sorted(int(n) for n in ids) == list(range(jobs)), len(ids)
+    queued = cluster.run(["squeue", "--noheader", "--array", "--format=%i %T %r"]).stdout.splitlines()
+    assert len(queued) == jobs and all(line.endswith("PENDING JobHeldUser") for line in queued), queued[:5]
+
+    shown = _tool(app_dir, "status", "sweep", "--json", env=_env(cluster.env))
+    assert shown.returncode == 0, shown.stderr
+    states = [job["state"] for job in json.loads(shown.stdout)["jobs"]]
+    assert states == ["PENDING"] * jobs, sorted(set(states))
+
+    cancelled = _tool(app_dir, "cancel", "sweep", env=_env(cluster.env))
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.startswith(f"cancelled #0-#{jobs - 1} of sweep (SLURM jobs "), cancelled.stdout
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)

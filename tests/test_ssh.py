@@ -504,3 +504,57 @@ def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
 def test_env_forward_takes_names_patterns_and_env_set() -> None:
     environ = {"NCCL_DEBUG": "INFO", "HOME": "/h", "SECRET": "s", "MINE": "1"}
     assert forwarded(["NCCL_*"], {"MINE": "2"}, environ) == {"NCCL_DEBUG": "INFO", "MINE": "1"}
+
+
+def test_job_dirs_that_the_hosts_write_follow_the_head_s_umask_002(hosts: SshHosts, app_dir: Path) -> None:
+    """Under `umask 002` (a group's shared project dir) the local launcher's job dirs are
+    group-writable (tests/test_record.py relies on it for a teammate's resume), as SLURM jobs
+    get the submitting shell's umask. The hosts' files (`.hydra/`, logs, the job dir's
+    contents) come with the hosts' sshd umask (022), so the group cannot write them; under
+    `umask 077` they are readable by every user (config.yaml, rank logs)."""
+    result = subprocess.run(
+        _command(hosts, "hydra.launcher.hosts=[host1,host2]", "hydra.launcher.nodes=2", "x=1"),
+        cwd=app_dir,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+        preexec_fn=lambda: os.umask(0o002),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    job = app_dir / "sweep" / "0"
+    not_group_writable = sorted(
+        str(path.relative_to(job))
+        for path in [job, *job.rglob("*")]
+        if not path.stat().st_mode & 0o020
+        and path.name not in ("job_return.pkl", "ranks_started")
+        and not path.name.startswith("ssh-")  # torch's own mkdtemp dirs are 0700 locally too
+    )
+    assert not not_group_writable, not_group_writable
+    _nothing_left(hosts)
+
+
+class _ChattyHosts(SshHosts):
+    """Hosts whose every ssh session prints a line on stdout before running the command, as a
+    `~/.bashrc` that echoes, a conda or `module` banner or a site's ForceCommand wrapper does."""
+
+    def _start_sshd(self, name: str) -> None:
+        config = self.root / f"sshd_config.{name}"
+        wrapper = 'ForceCommand echo "Welcome to the lab cluster"; eval "$SSH_ORIGINAL_COMMAND"\n'
+        config.write_text(config.read_text() + wrapper)
+        super()._start_sshd(name)
+
+
+def test_hosts_whose_login_prints_a_line_on_stdout_still_run_the_sweep(tmp_path: Path, app_dir: Path) -> None:
+    """`ssh host torchrun ...` (and pdsh, DeepSpeed's multi-node runner) works on such a host:
+    the line is only shown. The launcher refuses every such host before any job starts: "its
+    agent broke the protocol: the stream carries something else: 'Welcome to the lab
+    cluster'", with no hint that the host's shell start-up is what printed it."""
+    skip_or_fail(unavailable())
+    with _ChattyHosts(tmp_path, ["host1", "host2"]) as hosts:
+        result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "hydra.launcher.nodes=2", "x=1")
+        output = result.stdout + result.stderr
+        assert "broke the protocol" not in output, output
+        assert result.returncode == 0, output
+        assert _summary(app_dir)[0]["return_value"]["hosts"] == ["host1", "host2"], output
+        _nothing_left(hosts)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._server.server import WarmServer, checked_warm_server
-from .wire import HEARTBEAT_S, SILENCE_S, Reader, read_message, send
+from .wire import AGENT_HELLO, HEARTBEAT_S, SILENCE_S, Reader, read_message, send
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ def _signal(pid: int, signum: int) -> None:
 def main() -> int:
     # the protocol is the session's stdin and stdout: nothing else may read or write them
     proto_in, proto_out = os.dup(0), os.dup(1)
+    os.write(proto_out, AGENT_HELLO)  # the protocol starts here: what the login printed came before
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

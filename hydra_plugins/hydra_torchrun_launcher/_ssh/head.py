@@ -21,7 +21,7 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence
 
 from .hosts import Host
-from .wire import SILENCE_S, BrokenStream, Reader, send
+from .wire import AGENT_HELLO, SILENCE_S, BrokenStream, Reader, send
 
 AGENT_MODULE = "hydra_plugins.hydra_torchrun_launcher._ssh.agent"
 # how long a closed agent has to end before its ssh is killed
@@ -29,9 +29,20 @@ CLOSE_WAIT_S = 30.0
 
 
 def ssh_command(host: Host, ssh_options: Sequence[str], python: str, cwd: str) -> List[str]:
-    """The ssh command that starts `host`'s agent in `cwd` with `python`."""
-    remote = f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
+    """The ssh command that starts `host`'s agent in `cwd` with `python`, under the head's
+    umask: the files the host writes into the sweep dir (job dirs, `.hydra/`, logs) are as
+    private, or as shared with the group, as those the local launcher writes (sshd's own
+    umask, 022, would make them readable by all and not writable by the group)."""
+    umask = _head_umask()
+    remote = f"cd {shlex.quote(cwd)} && umask {umask:04o} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
     return ["ssh", "-T", "-o", "BatchMode=yes", *ssh_options, host.name, remote]
+
+
+def _head_umask() -> int:
+    """This process's umask (read by setting it, then back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 class _Lines:
@@ -74,7 +85,7 @@ class HostAgent:
         self.stdin = self.process.stdin.fileno()
         self.stdout = self.process.stdout.fileno()
         self.stderr = self.process.stderr.fileno()
-        self.reader = Reader()
+        self.reader = Reader(after=AGENT_HELLO)
         # what the agent said when ready: its hostname, its environment
         self.ready: Optional[Dict[str, Any]] = None
         # why the host is gone (ssh's reason), once it is
@@ -105,12 +116,15 @@ class HostAgent:
             self.stdout_open = False
             return []
         self.heard = time.monotonic()
+        awaiting_hello = self.reader.awaiting
         try:
             messages = self.reader.feed(data)
         except BrokenStream as e:
             self.stdout_open = False
             self.lost = f"its agent broke the protocol: {e}"
             return []
+        if awaiting_hello and not self.reader.awaiting and self.reader.banner:
+            self.out.write(self.reader.banner)  # the host's login output, shown as ssh shows it
         found = []
         for message in messages:
             if message[0] == "out":

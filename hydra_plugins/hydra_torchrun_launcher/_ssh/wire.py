@@ -20,6 +20,12 @@ from typing import Any, List, Optional
 _LENGTH = struct.Struct("=Q")
 # a larger length is no message of ours (a shell's banner, a stray print): the stream is broken
 MAX_MESSAGE = 1 << 34
+# what an agent writes first on its stream: what the host's login printed before it (a
+# `.bashrc` that echoes, a conda or `module` banner, a site's ForceCommand wrapper) is the
+# host's output, not the protocol's, as `ssh host torchrun ...` would show it
+AGENT_HELLO = b"\x00hydra-torchrun-launcher agent\x00"
+# more than this before the agent's hello: no agent of ours is coming
+MAX_BANNER = 1 << 20
 # how often each side says it is alive, and how long a silent peer is taken as gone
 HEARTBEAT_S = 5.0
 SILENCE_S = 30.0
@@ -50,14 +56,29 @@ def send(fd: int, message: Any, timeout_s: Optional[float] = None) -> None:
 
 
 class Reader:
-    """Messages from a stream read in chunks as they come (`feed`), whole ones out (`messages`)."""
+    """Messages from a stream read in chunks as they come (`feed`), whole ones out (`messages`).
 
-    def __init__(self) -> None:
+    `after`: bytes that come before the first message (the agent's hello); what precedes
+    them is kept as `banner` (the host's login output), not read as messages."""
+
+    def __init__(self, after: Optional[bytes] = None) -> None:
         self._buffer = bytearray()
+        self._awaiting = after
+        self.banner = b""
 
     def feed(self, data: bytes) -> List[Any]:
         """The messages completed by `data`, in order."""
         self._buffer += data
+        if self._awaiting is not None:
+            at = self._buffer.find(self._awaiting)
+            if at < 0:
+                if len(self._buffer) > MAX_BANNER:
+                    shown = bytes(self._buffer[:80]).decode(errors="replace").splitlines()[0]
+                    raise BrokenStream(f"the stream carries something else: {shown!r}")
+                return []
+            self.banner = bytes(self._buffer[:at])
+            del self._buffer[: at + len(self._awaiting)]
+            self._awaiting = None
         found = []
         while len(self._buffer) >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(self._buffer)
@@ -70,6 +91,11 @@ class Reader:
             found.append(pickle.loads(bytes(self._buffer[_LENGTH.size : end])))
             del self._buffer[:end]
         return found
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether the bytes before the first message have not all come yet."""
+        return self._awaiting is not None
 
     def pending(self) -> bool:
         """Whether part of a message has come and the rest not (yet)."""
