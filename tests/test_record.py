@@ -524,21 +524,30 @@ def test_a_stop_while_jobs_are_composed_ends_the_sweep_preempted(
 
 
 @pytest.mark.parametrize(
-    "launcher, sig, stop_at, batch",
+    "launcher, sig, stop_at, batch, in_finalizer",
     [
-        ("torchrun", "SIGINT", "0", []),
-        ("torchrun", "SIGTERM", "0", []),
+        ("torchrun", "SIGINT", "0", [], False),
+        ("torchrun", "SIGTERM", "0", [], False),
         # while Hydra's sweeper validates its batch, before the launcher's first launch
-        ("torchrun", "SIGINT", "validate", ["hydra.job.config.override_dirname.kv_sep=${stop_at:validate}"]),
-        ("torchrun_slurm", "SIGINT", "0", []),
+        (
+            "torchrun",
+            "SIGINT",
+            "validate",
+            ["hydra.job.config.override_dirname.kv_sep=${stop_at:validate}"],
+            False,
+        ),
+        ("torchrun_slurm", "SIGINT", "0", [], False),
+        # the handler runs inside a finalizer, which drops what it raises: no job starts either
+        ("torchrun", "SIGINT", "0", [], True),
     ],
 )
 def test_ctrl_c_or_sigterm_while_no_job_runs_ends_with_one_line_and_its_status(
-    tmp_path: Path, launcher: str, sig: str, stop_at: str, batch: List[str]
+    tmp_path: Path, launcher: str, sig: str, stop_at: str, batch: List[str], in_finalizer: bool
 ) -> None:
     """Python's own Ctrl-C (or SIGTERM's default) before any job runs: one line, as during
     the jobs, not a traceback through Hydra and the launcher (or a silent end)."""
     app_dir = _install(tmp_path, RECORD_APP)
+    finalizer = {"STOP_IN_FINALIZER": "1"} if in_finalizer else {}
     stopped = _run(
         app_dir,
         "-m",
@@ -549,12 +558,18 @@ def test_ctrl_c_or_sigterm_while_no_job_runs_ends_with_one_line_and_its_status(
         STOP_AT=stop_at,
         STOP_WITH=sig,
         STOP_ONCE=str(tmp_path / "once"),
+        **finalizer,
     )
     assert stopped.returncode == 128 + getattr(signal, sig), stopped.stdout
-    assert "Traceback" not in stopped.stdout and not _ranks_ran(stopped.stdout), stopped.stdout
-    assert stopped.stdout.rstrip().splitlines()[-1] == (
-        f"[torchrun launcher] {sig}: the sweep was stopped while no job of it was running"
-    ), stopped.stdout
+    assert not _ranks_ran(stopped.stdout), stopped.stdout
+    line = f"[torchrun launcher] {sig}: the sweep was stopped while no job of it was running"
+    if in_finalizer:  # the line, then Python's own words for what the finalizer raised; no job ran
+        said = stopped.stdout.split(line, 1)[1]
+        assert said.lstrip().startswith("Exception ignored in: <function _SignalInAFinalizer.__del__"), said
+        assert said.rstrip().endswith(f"SystemExit: {stopped.returncode}") and "HYDRA" not in said, said
+    else:
+        assert "Traceback" not in stopped.stdout, stopped.stdout
+        assert stopped.stdout.rstrip().splitlines()[-1] == line, stopped.stdout
 
 
 def test_sigusr1_as_the_stop_signal_is_taken_with_one_warning(tmp_path: Path) -> None:

@@ -60,8 +60,25 @@ def _stop_at(num: str) -> str:
         return "0"
     if os.getpid() == _LAUNCHER_PID and str(num) == at and not once.exists():
         once.touch()
-        os.kill(os.getpid(), getattr(signal, os.environ.get("STOP_WITH", "SIGUSR2")))
+        if os.environ.get("STOP_IN_FINALIZER"):
+            _SignalInAFinalizer()  # dropped at once: its __del__ sends the signal
+        else:
+            os.kill(os.getpid(), getattr(signal, os.environ.get("STOP_WITH", "SIGUSR2")))
     return "0"
+
+
+class _SignalInAFinalizer:
+    """Sends the stop signal from its finalizer, whose exceptions Python prints and drops: the
+    signal's handler runs there (at the call after the kill), as it may whenever a finalizer
+    runs (a garbage collection) at the moment a Ctrl-C comes."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), getattr(signal, os.environ.get("STOP_WITH", "SIGUSR2")))
+        _a_call()
+
+
+def _a_call() -> None:
+    """A Python call: where Python runs a pending signal's handler."""
 
 
 def _validating() -> bool:

@@ -36,7 +36,14 @@ from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_si
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .lock import hold_sweep_lock, holder
 from .node_agreement import agree_on_resumption, waiting_for_nodes
-from .preempt import StopNotice, StoppedBeforeJobs, SweepStopped, end_preempted, react_to_stop
+from .preempt import (
+    StopNotice,
+    StoppedBeforeJobs,
+    SweepStopped,
+    end_preempted,
+    exit_if_stopped,
+    react_to_stop,
+)
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import write_rerun_script
 from .resume import (
@@ -79,6 +86,7 @@ def launch(
     launcher: SweepLauncher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, runner: Runner
 ) -> Sequence[JobReturn]:
     """Run the sweep's jobs through `runner`; one JobReturn per job, in job order."""
+    exit_if_stopped()
     setup_globals()
     assert launcher.config is not None
     assert launcher.hydra_context is not None
@@ -246,6 +254,7 @@ class _Launch:
         if not self.ready and not self.pending:
             shown = shown_path(str(sweep_dir))
             log.info(f"Nothing to launch: all {len(self.jobs)} jobs come from the record in {shown}")
+        exit_if_stopped()  # the last moment before a job may start
         try:
             ran = self.runner.run(self, self) if self.ready or self.pending else {}
         except SweepStopped as stopped:

@@ -125,17 +125,33 @@ class StopWhileNoJobRuns:
     record, if the sweep has one, says the run did not reach its end (it resumes). While
     jobs run, the job pool (or the SLURM submission) handles the signals and puts this back."""
 
+    # the signal that stopped the sweep, once one has: the SystemExit raised for it may have
+    # been dropped (Python drops what a finalizer raises, and a handler runs within whatever
+    # Python code runs at that moment); `exit_if_stopped` ends the launch then
+    stopped_by: Optional[signal.Signals] = None
+
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
 
     def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
-        report = getattr(self.launcher, "report", None)
-        if report is not None:
-            report.interrupted = True
-            report.write()
         sig = signal.Signals(signum)
-        line = f"[torchrun launcher] {sig.name}: the sweep was stopped while no job of it was running"
-        print(line, file=sys.stderr, flush=True)
+        if StopWhileNoJobRuns.stopped_by is None:
+            StopWhileNoJobRuns.stopped_by = sig
+            report = getattr(self.launcher, "report", None)
+            if report is not None:
+                report.interrupted = True
+                report.write()
+            line = f"[torchrun launcher] {sig.name}: the sweep was stopped while no job of it was running"
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(128 + sig)
+
+
+def exit_if_stopped() -> None:
+    """End the launch if a stop signal came while no job ran and its SystemExit did not end
+    it (it was raised inside a finalizer, which Python prints and drops): no job starts after
+    the line that said the sweep was stopped."""
+    sig = StopWhileNoJobRuns.stopped_by
+    if sig is not None:
         raise SystemExit(128 + sig)
 
 
