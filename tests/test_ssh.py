@@ -558,3 +558,22 @@ def test_hosts_whose_login_prints_a_line_on_stdout_still_run_the_sweep(tmp_path:
         assert result.returncode == 0, output
         assert _summary(app_dir)[0]["return_value"]["hosts"] == ["host1", "host2"], output
         _nothing_left(hosts)
+
+
+def test_a_host_without_the_app_s_files_fails_its_job_saying_what_is_missing(
+    tmp_path: Path, app_dir: Path
+) -> None:
+    """The head's working dir is empty on host2 (the project not synced there): the job there
+    fails with a launcher-internal traceback (cloudpickle's decode_request: No module named
+    'callbacks', unprefixed on the console) and the job's error says only that "the job's
+    process (pid N on host2) exited with code 1 before reporting a result". On a job's second
+    node the same host says `FileNotFoundError: ... app.py`, which is what the user needs."""
+    with _hosts(tmp_path, hidden={"host2": [str(app_dir)]}) as hosts:
+        result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host2]", "x=1")
+        output = result.stdout + result.stderr
+        assert result.returncode == 1, output
+        (job,) = _summary(app_dir).values()
+        assert job["status"] == "FAILED", output
+        assert "host2" in job["error"] and "No module named 'callbacks'" in job["error"], job["error"]
+        assert "decode_request" not in output, output
+        _nothing_left(hosts)

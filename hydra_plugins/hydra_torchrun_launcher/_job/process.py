@@ -35,7 +35,7 @@ from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
 from . import preempt
 from .agent import run_agent_job
-from .failures import account_for, stop_requested
+from .failures import JobFailedError, account_for, stop_requested
 
 _FRAME = struct.Struct("=q")
 
@@ -71,10 +71,32 @@ def decode_request(data: bytes) -> JobRequest:
 def job_process_main(payload_r: int, result_w: int) -> None:
     die_with_parent()
     with os.fdopen(payload_r, "rb") as f:
-        request = decode_request(f.read())
-    job_return = run_request(request)
+        data = f.read()
+    try:
+        request = decode_request(data)
+    except Exception as e:  # the job's own failure, told as such: see _unreadable_request
+        job_return = _unreadable_request(e)
+    else:
+        job_return = run_request(request)
     with os.fdopen(result_w, "wb") as out:
         out.write(pickled_return(job_return))
+
+
+def _unreadable_request(error: Exception) -> JobReturn:
+    """The job's request could not be unpickled here: it names the app's modules (its task,
+    its callbacks, its config's classes), which this process imports from the launcher's
+    working dir. On a host of `torchrun_ssh` whose copy of the project is missing or
+    differs, that is the job's failure, with the reason and the host, not a traceback of
+    the launcher's own."""
+    import socket
+
+    failed = JobReturn(status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(
+        f"the job could not start on {socket.gethostname()}: its request names the app's code, which "
+        f"could not be loaded there from {os.getcwd()} ({type(error).__name__}: {error}); "
+        "the app's files must be at the same path on every host"
+    )
+    return failed
 
 
 def run_request(request: JobRequest) -> JobReturn:
