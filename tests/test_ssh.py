@@ -558,3 +558,18 @@ def test_hosts_whose_login_prints_a_line_on_stdout_still_run_the_sweep(tmp_path:
         assert result.returncode == 0, output
         assert _summary(app_dir)[0]["return_value"]["hosts"] == ["host1", "host2"], output
         _nothing_left(hosts)
+
+
+def test_the_readme_s_preload_workaround_is_taken_by_torchrun_ssh(hosts: SshHosts, app_dir: Path) -> None:
+    """README, Troubleshooting: ranks that hang in their first multi-threaded torch op (an
+    installed package of the app ran a matmul at import, and the warm process imported it)
+    are fixed with `hydra.launcher.preload=[...]` without it, or `[]`. Each host's agent
+    "imports torch and the app's packages once" and its ranks hang the same way (seen with a
+    site-packages module doing a 1500x1500 matmul at import: stuck at the task's matmul
+    until job_timeout), but torchrun_ssh has no `preload` key: `Key 'preload' is not in
+    struct`. (start_method=spawn avoids it, undocumented.)"""
+    result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1]", "hydra.launcher.preload=[]", "x=1")
+    output = result.stdout + result.stderr
+    assert "not in struct" not in output, output
+    assert result.returncode == 0, output
+    _nothing_left(hosts)

@@ -67,8 +67,8 @@ class SshRunner:
             launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
         )
         launcher.notice = self.notice
-        # what each host's warm server imports besides torch: what the app has imported here
-        self.preload = preload_modules("auto")
+        # what each host's warm server imports besides torch (`preload`, the first job's)
+        self.preload: Tuple[str, ...] = ()
         self.options: Dict[int, SshOptions] = {}
         self.stopped = ""
 
@@ -81,6 +81,8 @@ class SshRunner:
     def check_sweep(self, first: JobPlan) -> None:
         self.first = self.options[first.idx]
         self.first_plan = first
+        # auto: what the app has imported here by now
+        self.preload = preload_modules(self.first.preload)
         self.check_job(first)
 
     def check_job(self, plan: JobPlan) -> None:
