@@ -560,6 +560,32 @@ def test_hosts_whose_login_prints_a_line_on_stdout_still_run_the_sweep(tmp_path:
         _nothing_left(hosts)
 
 
+def test_a_launch_prefix_program_on_the_hosts_path_only_is_not_refused_by_the_head(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """The ranks run on the hosts, with the host's own PATH (README: "The ranks get the host's
+    own environment"); a `launch_prefix` program that is on the hosts' PATH (here /usr/sbin's
+    chroot, in sshd's PATH) but not on the head's is refused by the head before any host is
+    asked: `chroot is not a program found on PATH`. Plain torchrun on the hosts finds it. The
+    same goes for nproc_per_node=gpu, judged by the head's CUDA (a head without a GPU, the
+    hosts with GPUs, refused: `Cuda is not available`)."""
+    assert Path("/usr/sbin/chroot").exists()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.launch_prefix=[chroot,--skip-chdir,/]",
+        "x=1",
+        env=env,
+    )
+    output = result.stdout + result.stderr
+    assert "is not a program found on PATH" not in output, output
+    assert result.returncode == 0, output
+    assert _summary(app_dir)[0]["return_value"]["hosts"] == ["host1"], output
+    _nothing_left(hosts)
+
+
 def test_the_readme_s_preload_workaround_is_taken_by_torchrun_ssh(hosts: SshHosts, app_dir: Path) -> None:
     """README, Troubleshooting: ranks that hang in their first multi-threaded torch op (an
     installed package of the app ran a matmul at import, and the warm process imported it)
@@ -572,4 +598,49 @@ def test_the_readme_s_preload_workaround_is_taken_by_torchrun_ssh(hosts: SshHost
     output = result.stdout + result.stderr
     assert "not in struct" not in output, output
     assert result.returncode == 0, output
+    _nothing_left(hosts)
+
+
+def test_what_only_a_host_can_tell_is_refused_by_its_job_naming_the_host_and_the_key(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """A `launch_prefix` program missing on the host, `nproc_per_node=gpu` on a host without
+    CUDA: the head starts the job (it cannot tell), the host refuses it in one line naming
+    the key and the host, as the head refuses what it can tell, and the sweep goes on."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.launch_prefix=[no-such-program-here]",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    assert job["error"].splitlines()[0] == (
+        "hydra.launcher.launch_prefix=['no-such-program-here'] is invalid on host host1: "
+        "no-such-program-here is not a program found on its PATH"
+    ), job["error"]
+    _nothing_left(hosts)
+
+    import torch
+
+    if torch.cuda.is_available():
+        return  # this machine's hosts have CUDA: gpu counts their devices
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=gpu",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    first = job["error"].splitlines()[0]
+    assert first.startswith("hydra.launcher.nproc_per_node='gpu' is invalid on host host"), job["error"]
+    assert "Cuda is not available" in first, job["error"]
     _nothing_left(hosts)

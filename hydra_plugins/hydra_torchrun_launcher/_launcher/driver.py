@@ -26,7 +26,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from .._job.launch_config import local_world_size, rendezvous_for
+from .._job.launch_config import counted_by_torch, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
 from .._job.process import JobRequest, encode_request, without_bookkeeping
 from .._rank.error import ended_by_stop
@@ -472,7 +472,8 @@ def _plan(
     task_cfg = copy.deepcopy(config)
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
-    nproc = local_world_size(settings)
+    # 0: counted by each host's torch as the node starts there (`JobSettings.on_hosts`)
+    nproc = 0 if settings.on_hosts and counted_by_torch(settings) else local_world_size(settings)
     job_logging = (
         OmegaConf.to_container(config.hydra.job_logging, resolve=True)
         if config.hydra.job_logging is not None

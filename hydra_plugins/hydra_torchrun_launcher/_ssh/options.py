@@ -52,7 +52,8 @@ def split_launcher_config(launcher_cfg: DictConfig, launch_dir: str) -> "tuple[J
             f"(keys: {', '.join(known)})"
         )
     options = ssh_options(ssh, launch_dir)
-    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT)
+    # what only a host can tell (launch_prefix's program, nproc_per_node=gpu) is its own to decide
+    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT, on_hosts=True)
     return settings, options
 
 

@@ -124,7 +124,8 @@ class SshRunner:
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
                 *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
                 f"\t\tjob dir: {plan.output_dir}",
-                f"\t\tranks:   {plan.nproc} per host x {options.nodes} host(s), {conf.start_method}"
+                f"\t\tranks:   {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
+                f"x {options.nodes} host(s), {conf.start_method}"
                 + (", c10d rendezvous on the job's first host" if options.nodes > 1 else ""),
             ]
         return "\n".join(lines)
@@ -175,14 +176,20 @@ class _HostState:
     def fits(self, nproc: int) -> bool:
         if self.agent.lost is not None:
             return False
-        return len(self.free) >= nproc if self.free is not None else not self.jobs
+        return len(self.free) >= self._needs(nproc) if self.free is not None else not self.jobs
 
     def take(self, idx: int, nproc: int) -> Optional[List[str]]:
         self.jobs.add(idx)
         if self.free is None:
             return None
-        taken, self.free = self.free[:nproc], self.free[nproc:]
+        need = self._needs(nproc)
+        taken, self.free = self.free[:need], self.free[need:]
         return taken
+
+    def _needs(self, nproc: int) -> int:
+        """The slots a job takes: its ranks', or every slot of the host where the host counts
+        its ranks itself (nproc 0: nproc_per_node=gpu counts the devices it is given)."""
+        return nproc or (self.host.slots or 0)
 
     def give_back(self, idx: int, devices: Optional[List[str]]) -> None:
         self.jobs.discard(idx)
@@ -356,13 +363,13 @@ class _Sweep:
             {**state.agent.ready["environ"], **forwarded(options.env_forward, plan.env_set, os.environ)}  # type: ignore[index]
             for state in hosts
         ]
-        first = plan
+        first = dataclasses.replace(plan, host=hosts[0].host.name)
         if len(hosts) > 1:
             run = f"ssh-{self.run_tag}-{plan.idx}"
             endpoint = f"{hosts[0].agent.hostname}:{derived_port(run)}"
             conf = dataclasses.replace(plan.settings.conf, node_rank=0, rdzv_endpoint=endpoint)
             first = dataclasses.replace(
-                plan,
+                first,
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
@@ -375,7 +382,11 @@ class _Sweep:
         self.running[plan.idx] = running
         limit = _hard_limit_s(plan)
         for node, state in enumerate(hosts):
-            node_bytes = request if node == 0 else node_request(request, node, environs[node], devices[node])
+            node_bytes = (
+                request
+                if node == 0
+                else node_request(request, node, environs[node], devices[node], state.host.name)
+            )
             sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
             if not sent:  # lost as the job started: its loss fails the job when seen
                 continue
