@@ -601,6 +601,46 @@ def test_the_readme_s_preload_workaround_is_taken_by_torchrun_ssh(hosts: SshHost
     _nothing_left(hosts)
 
 
+def test_torchrun_sweep_status_of_a_running_ssh_sweep_names_each_running_job_s_host(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """DESIGN: `torchrun-sweep status` speaks of "a local, SLURM or ssh sweep", a line per job
+    with its "SLURM id or host"; for a SLURM sweep a running job says `on node1` (and `nodes`
+    in --json). An ssh sweep is called "a local sweep" and its running jobs name no host."""
+    head = _start(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "steps=1000", "step_s=0.1", "x=1,2")
+    try:
+        _read_until(head, ["rank 0 running x=1", "rank 0 running x=2"])
+        tool = Path(sys.executable).parent / "torchrun-sweep"
+        shown = subprocess.run(
+            [str(tool), "status", "sweep"], cwd=app_dir, capture_output=True, text=True, timeout=60
+        )
+        as_json = subprocess.run(
+            [str(tool), "status", "sweep", "--json"], cwd=app_dir, capture_output=True, text=True, timeout=60
+        )
+        os.killpg(head.pid, signal.SIGINT)
+        head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    header, *_ = shown.stdout.splitlines()
+    assert "a local sweep" not in header and ": an ssh sweep, running" in header, shown.stdout
+    assert json.loads(as_json.stdout)["runner"] == "ssh", as_json.stdout
+    running = [line for line in shown.stdout.splitlines() if "RUNNING" in line]
+    assert len(running) == 2, shown.stdout
+    assert {line.split()[-1] for line in running} == {"host1", "host2"}, shown.stdout
+    jobs = json.loads(as_json.stdout)["jobs"]
+    assert sorted(str(job["nodes"]) for job in jobs) in (["host1", "host2"], ["['host1']", "['host2']"]), jobs
+    # ended (stopped): still an ssh sweep, each job with the host it ran on
+    after = subprocess.run(
+        [str(tool), "status", "sweep", "--json"], cwd=app_dir, capture_output=True, text=True, timeout=60
+    )
+    ended = json.loads(after.stdout)
+    assert ended["runner"] == "ssh" and sorted(job["nodes"] for job in ended["jobs"]) == ["host1", "host2"], (
+        ended
+    )
+    _nothing_left(hosts)
+
+
 def test_what_only_a_host_can_tell_is_refused_by_its_job_naming_the_host_and_the_key(
     hosts: SshHosts, app_dir: Path
 ) -> None:

@@ -209,6 +209,7 @@ class _Launch:
         self.first.node_slot = slot
         self.report = _report_of(launcher, sweep_dir, self.conf.resume is not False)
         self.report.writes = self.writes
+        self.report.names_hosts = runner.names_hosts
         # jobs for the runner: composed ones first, then those composed when asked for
         self.ready: Deque[JobPlan] = deque()
         self.pending: Deque[PendingJob] = deque()
@@ -385,9 +386,9 @@ class _Launch:
             )
         )
 
-    def started(self, plan: JobPlan, detail: Optional[str]) -> None:
+    def started(self, plan: JobPlan, detail: Optional[str], hosts: Optional[List[str]] = None) -> None:
         line = f"\t{job_title(plan.idx, plan.overrides)}{detail}" if detail is not None else None
-        self.report.started(plan.idx, line=line)  # on a terminal, the progress line tells it
+        self.report.started(plan.idx, line=line, hosts=hosts)  # on a terminal, the progress line tells it
 
     def running(self, plan: JobPlan, since: float) -> None:
         self.report.started(plan.idx, at=since)

@@ -61,6 +61,8 @@ _STOP_MARGIN_S = 30.0
 class SshRunner:
     """`hydra/launcher=torchrun_ssh`'s runner (`_launcher.runner.Runner`)."""
 
+    names_hosts = True
+
     def __init__(self, launcher: Any) -> None:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.notice: Optional[StopNotice] = sweep_notice(
@@ -377,7 +379,7 @@ class _Sweep:
         where = ", ".join(
             state.host.name + (f" (devices {','.join(d)})" if d else "") for state, d in zip(hosts, devices)
         )
-        self.events.started(plan, f" on {where}")
+        self.events.started(plan, f" on {where}", [state.host.name for state in hosts])
         running = _Running(plan, hosts, devices, set(range(len(hosts))))
         self.running[plan.idx] = running
         limit = _hard_limit_s(plan)
