@@ -93,15 +93,6 @@ class Record:
         return not self.interrupted and all(job.status in (COMPLETED, FAILED) for job in self.jobs.values())
 
 
-def _row(outcome: JobOutcome) -> Dict[str, Any]:
-    """The job's row in the record: its fields, but `hosts` only where the launcher names
-    them (the rows of the other launchers are as they were)."""
-    row = asdict(outcome)
-    if row["hosts"] is None:
-        del row["hosts"]
-    return row
-
-
 def job_title(num: int, overrides: Sequence[str]) -> str:
     """ "#3 : lr=0.1 seed=2", or "#3" for a job without overrides."""
     shown = " ".join(filter_overrides(list(overrides)))
@@ -279,7 +270,7 @@ class SweepReport:
         if not self.writes:
             return
         for num in nums:
-            self._rows[num] = _row(self.outcomes[num])
+            self._rows[num] = asdict(self.outcomes[num])
         lines: List[Dict[str, Any]] = [{"job": self._rows[num]} for num in nums]
         if self._journal is None:
             # the run's first event: its journal starts afresh, with every job of the run
