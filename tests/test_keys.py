@@ -92,7 +92,14 @@ def test_the_slurm_launcher_has_submitits_keys_first_then_the_per_job_keys() -> 
 def test_the_ssh_launcher_has_its_hosts_keys_first_then_the_per_job_keys() -> None:
     names = [f.name for f in dataclasses.fields(TorchrunSshLauncherConf)]
     per_job = [key for key, alone in described("per_job").items() if alone]
-    assert names == ["_target_", *SSH_KEYS, *per_job]
+    # then the keys each host's agent has too (what its warm server imports), as described
+    assert names == ["_target_", *SSH_KEYS, *per_job, *described("hosts")]
+    assert described("hosts") == {"preload": True}
+    hosts_keys = {f.name: f for f in dataclasses.fields(TorchrunSshLauncherConf)}
+    local_keys = {f.name: f for f in dataclasses.fields(TorchrunLauncherConf)}
+    for key in described("hosts"):
+        assert getattr(TorchrunSshLauncherConf(), key) == getattr(TorchrunLauncherConf(), key)
+        assert dict(hosts_keys[key].metadata) == dict(local_keys[key].metadata)
     assert TorchrunSshLauncherConf._target_.endswith(".TorchrunSshLauncher")
 
 

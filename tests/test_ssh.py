@@ -577,3 +577,129 @@ def test_a_host_without_the_app_s_files_fails_its_job_saying_what_is_missing(
         assert "host2" in job["error"] and "No module named 'callbacks'" in job["error"], job["error"]
         assert "decode_request" not in output, output
         _nothing_left(hosts)
+
+
+def test_a_launch_prefix_program_on_the_hosts_path_only_is_not_refused_by_the_head(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """The ranks run on the hosts, with the host's own PATH (README: "The ranks get the host's
+    own environment"); a `launch_prefix` program that is on the hosts' PATH (here /usr/sbin's
+    chroot, in sshd's PATH) but not on the head's is refused by the head before any host is
+    asked: `chroot is not a program found on PATH`. Plain torchrun on the hosts finds it. The
+    same goes for nproc_per_node=gpu, judged by the head's CUDA (a head without a GPU, the
+    hosts with GPUs, refused: `Cuda is not available`)."""
+    assert Path("/usr/sbin/chroot").exists()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.launch_prefix=[chroot,--skip-chdir,/]",
+        "x=1",
+        env=env,
+    )
+    output = result.stdout + result.stderr
+    assert "is not a program found on PATH" not in output, output
+    assert result.returncode == 0, output
+    assert _summary(app_dir)[0]["return_value"]["hosts"] == ["host1"], output
+    _nothing_left(hosts)
+
+
+def test_the_readme_s_preload_workaround_is_taken_by_torchrun_ssh(hosts: SshHosts, app_dir: Path) -> None:
+    """README, Troubleshooting: ranks that hang in their first multi-threaded torch op (an
+    installed package of the app ran a matmul at import, and the warm process imported it)
+    are fixed with `hydra.launcher.preload=[...]` without it, or `[]`. Each host's agent
+    "imports torch and the app's packages once" and its ranks hang the same way (seen with a
+    site-packages module doing a 1500x1500 matmul at import: stuck at the task's matmul
+    until job_timeout), but torchrun_ssh has no `preload` key: `Key 'preload' is not in
+    struct`. (start_method=spawn avoids it, undocumented.)"""
+    result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1]", "hydra.launcher.preload=[]", "x=1")
+    output = result.stdout + result.stderr
+    assert "not in struct" not in output, output
+    assert result.returncode == 0, output
+    _nothing_left(hosts)
+
+
+def test_torchrun_sweep_status_of_a_running_ssh_sweep_names_each_running_job_s_host(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """DESIGN: `torchrun-sweep status` speaks of "a local, SLURM or ssh sweep", a line per job
+    with its "SLURM id or host"; for a SLURM sweep a running job says `on node1` (and `nodes`
+    in --json). An ssh sweep is called "a local sweep" and its running jobs name no host."""
+    head = _start(hosts, app_dir, "hydra.launcher.hosts=[host1,host2]", "steps=1000", "step_s=0.1", "x=1,2")
+    try:
+        _read_until(head, ["rank 0 running x=1", "rank 0 running x=2"])
+        tool = Path(sys.executable).parent / "torchrun-sweep"
+        shown = subprocess.run(
+            [str(tool), "status", "sweep"], cwd=app_dir, capture_output=True, text=True, timeout=60
+        )
+        as_json = subprocess.run(
+            [str(tool), "status", "sweep", "--json"], cwd=app_dir, capture_output=True, text=True, timeout=60
+        )
+        os.killpg(head.pid, signal.SIGINT)
+        head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    header, *_ = shown.stdout.splitlines()
+    assert "a local sweep" not in header and ": an ssh sweep, running" in header, shown.stdout
+    assert json.loads(as_json.stdout)["runner"] == "ssh", as_json.stdout
+    running = [line for line in shown.stdout.splitlines() if "RUNNING" in line]
+    assert len(running) == 2, shown.stdout
+    assert {line.split()[-1] for line in running} == {"host1", "host2"}, shown.stdout
+    jobs = json.loads(as_json.stdout)["jobs"]
+    assert sorted(str(job["nodes"]) for job in jobs) in (["host1", "host2"], ["['host1']", "['host2']"]), jobs
+    # ended (stopped): still an ssh sweep, each job with the host it ran on
+    after = subprocess.run(
+        [str(tool), "status", "sweep", "--json"], cwd=app_dir, capture_output=True, text=True, timeout=60
+    )
+    ended = json.loads(after.stdout)
+    assert ended["runner"] == "ssh" and sorted(job["nodes"] for job in ended["jobs"]) == ["host1", "host2"], (
+        ended
+    )
+    _nothing_left(hosts)
+
+
+def test_what_only_a_host_can_tell_is_refused_by_its_job_naming_the_host_and_the_key(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """A `launch_prefix` program missing on the host, `nproc_per_node=gpu` on a host without
+    CUDA: the head starts the job (it cannot tell), the host refuses it in one line naming
+    the key and the host, as the head refuses what it can tell, and the sweep goes on."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.launch_prefix=[no-such-program-here]",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    assert job["error"].splitlines()[0] == (
+        "hydra.launcher.launch_prefix=['no-such-program-here'] is invalid on host host1: "
+        "no-such-program-here is not a program found on its PATH"
+    ), job["error"]
+    _nothing_left(hosts)
+
+    import torch
+
+    if torch.cuda.is_available():
+        return  # this machine's hosts have CUDA: gpu counts their devices
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=gpu",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    first = job["error"].splitlines()[0]
+    assert first.startswith("hydra.launcher.nproc_per_node='gpu' is invalid on host host"), job["error"]
+    assert "Cuda is not available" in first, job["error"]
+    _nothing_left(hosts)

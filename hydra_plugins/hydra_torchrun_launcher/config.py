@@ -29,6 +29,7 @@ def _key(
     torchrun: Optional[str] = None,
     pet: bool = True,
     launch_config: Optional[str] = None,
+    hosts: bool = False,
 ) -> Any:
     """A launcher key: its default (`factory` for a list), and its description.
 
@@ -40,8 +41,13 @@ def _key(
     pet: some torchrun reads that option from `PET_<KEY>` too (torch's `env` actions).
     launch_config: the LaunchConfig field that carries it, where an older torch lacks that
         field (the key is refused by name when set on such a torch).
+    hosts: not per job, but each host's agent of `hydra/launcher=torchrun_ssh` has it too, for
+        the whole sweep (what the host's warm server does): that launcher has it after the
+        per-job keys.
     """
     metadata: Dict[str, Any] = {"fingerprinted": fingerprinted, "per_job": per_job}
+    if hosts:
+        metadata["hosts"] = True
     if torchrun is not None:
         metadata.update(torchrun=torchrun, pet=pet)
     if launch_config is not None:
@@ -180,7 +186,7 @@ class TorchrunLauncherConf:
     # what the warm server imports once per sweep so ranks start with it: auto = torch plus
     # the installed packages the app had imported when the sweep launched; a list = torch
     # plus those modules; [] = torch only
-    preload: Any = _key("auto", fingerprinted=False)
+    preload: Any = _key("auto", fingerprinted=False, hosts=True)
     # the signal that asks running jobs to stop at their next step boundary (a preemption
     # notice: SLURM's --signal=USR2@120); null: none. Not USR1: NCCL uses it
     stop_signal: Optional[str] = _key("SIGUSR2", fingerprinted=False, per_job=True)
@@ -379,13 +385,33 @@ class _SshHostsConf:
 SSH_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SshHostsConf) if f.name != "_target_")
 
 
+# The keys each host's agent has too (`hosts`), as a base of TorchrunSshLauncherConf made of
+# TorchrunLauncherConf's own fields, as PerJobConf is.
+HostAgentConf = make_dataclass(
+    "HostAgentConf",
+    [
+        (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+        for f in fields(TorchrunLauncherConf)
+        if f.metadata.get("hosts")
+    ],
+    namespace={
+        "__doc__": "The torchrun launcher's keys that each host's agent of torchrun_ssh has too "
+        "(`hosts`), in its order, with its defaults and descriptions."
+    },
+    init=False,
+    repr=False,
+    eq=False,
+)
+
+
 # no __repr__ or __eq__ of its fields, as the SLURM conf: their code costs discovery
 @dataclass(repr=False, eq=False)
-class TorchrunSshLauncherConf(PerJobConf, _SshHostsConf):
+class TorchrunSshLauncherConf(HostAgentConf, PerJobConf, _SshHostsConf):
     """`hydra/launcher=torchrun_ssh`: the sweep's jobs on a few hosts over ssh, no scheduler.
 
     The hosts' keys (`_SshHostsConf`), then the torchrun launcher's keys that a job has on
-    its own (`PerJobConf`): `nodes` stands for `nnodes`.
+    its own (`PerJobConf`): `nodes` stands for `nnodes`; then those each host's agent has
+    too (`HostAgentConf`: `preload`).
     """
 
 

@@ -34,6 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
+from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import private_dir as new_private_dir
 from .._shared.stop_files import (
@@ -57,7 +58,7 @@ from .failures import (
     job_failed,
     stops_interrupt,
 )
-from .launch_config import agent_environment, build_launch_config, launch_config_fields
+from .launch_config import agent_environment, build_launch_config, launch_config_fields, local_world_size
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -99,6 +100,8 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
     conf = plan.settings.conf
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    if plan.settings.on_hosts:
+        _decide_on_this_host(plan)
     if plan.nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # as torchrun: ranks sharing a node do not each start a thread per core
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -147,6 +150,25 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
             stop_forkserver()
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _decide_on_this_host(plan: JobPlan) -> None:
+    """What only this host can tell (`JobSettings.on_hosts`), decided here as torchrun decides
+    it on each node: launch_prefix's program on this host's PATH, nproc_per_node's word
+    counted by this host's torch (its devices as this job sees them). Refused in one line
+    naming the key and the host."""
+    conf = plan.settings.conf
+    where = f"on host {plan.host}" if plan.host else "on this host"
+    if conf.launch_prefix and shutil.which(str(conf.launch_prefix[0])) is None:
+        raise job_failed(
+            f"hydra.launcher.launch_prefix={conf.launch_prefix!r} is invalid {where}: "
+            f"{conf.launch_prefix[0]} is not a program found on its PATH"
+        )
+    if plan.nproc == 0:
+        try:
+            plan.nproc = local_world_size(plan.settings)
+        except LauncherConfigError as e:
+            raise job_failed(str(e).replace(" is invalid here: ", f" is invalid {where}: ", 1)) from None
 
 
 def job_log_dir(plan: JobPlan) -> str:

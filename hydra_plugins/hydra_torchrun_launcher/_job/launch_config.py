@@ -169,10 +169,16 @@ def _check_numa_binding(settings: JobSettings) -> None:
     )
 
 
+def counted_by_torch(settings: JobSettings) -> bool:
+    """Whether nproc_per_node is a word torch counts (gpu / cpu / auto / xpu, a backend's name)."""
+    value = settings.conf.nproc_per_node
+    return not (isinstance(value, int) or str(value).isdigit())
+
+
 def local_world_size(settings: JobSettings) -> int:
     """nproc_per_node as torchrun reads it (gpu / cpu / auto / xpu counted by torch itself)."""
     value = settings.conf.nproc_per_node
-    if isinstance(value, int) or str(value).isdigit():
+    if not counted_by_torch(settings):
         return int(value)
     from torch.distributed.run import determine_local_world_size
 

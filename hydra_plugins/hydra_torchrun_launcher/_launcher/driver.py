@@ -26,7 +26,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from .._job.launch_config import local_world_size, rendezvous_for
+from .._job.launch_config import counted_by_torch, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
 from .._job.process import JobRequest, encode_request, without_bookkeeping
 from .._rank.error import ended_by_stop
@@ -217,6 +217,7 @@ class _Launch:
         self.first.node_slot = slot
         self.report = _report_of(launcher, sweep_dir, self.conf.resume is not False)
         self.report.writes = self.writes
+        self.report.names_hosts = runner.names_hosts
         # jobs for the runner: composed ones first, then those composed when asked for
         self.ready: Deque[JobPlan] = deque()
         self.pending: Deque[PendingJob] = deque()
@@ -394,9 +395,9 @@ class _Launch:
             )
         )
 
-    def started(self, plan: JobPlan, detail: Optional[str]) -> None:
+    def started(self, plan: JobPlan, detail: Optional[str], hosts: Optional[List[str]] = None) -> None:
         line = f"\t{job_title(plan.idx, plan.overrides)}{detail}" if detail is not None else None
-        self.report.started(plan.idx, line=line)  # on a terminal, the progress line tells it
+        self.report.started(plan.idx, line=line, hosts=hosts)  # on a terminal, the progress line tells it
 
     def running(self, plan: JobPlan, since: float) -> None:
         self.report.started(plan.idx, at=since)
@@ -481,7 +482,8 @@ def _plan(
     task_cfg = copy.deepcopy(config)
     with read_write(task_cfg), open_dict(task_cfg):
         del task_cfg["hydra"]
-    nproc = local_world_size(settings)
+    # 0: counted by each host's torch as the node starts there (`JobSettings.on_hosts`)
+    nproc = 0 if settings.on_hosts and counted_by_torch(settings) else local_world_size(settings)
     job_logging = (
         OmegaConf.to_container(config.hydra.job_logging, resolve=True)
         if config.hydra.job_logging is not None

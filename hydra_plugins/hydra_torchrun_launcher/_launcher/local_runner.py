@@ -40,6 +40,8 @@ _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run", "stop_sign
 class LocalRunner:
     """`hydra/launcher=torchrun`'s runner (`_launcher.runner.Runner`)."""
 
+    names_hosts = False
+
     def __init__(self, launcher: Any, preload: "tuple[str, ...]") -> None:
         self.preload = preload
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))

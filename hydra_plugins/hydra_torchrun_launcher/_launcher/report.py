@@ -75,6 +75,9 @@ class JobOutcome:
     # whether the job's ranks have run in its job dir (a preempted job whose ranks never
     # started has no checkpoint to resume from: it simply runs again)
     ranks_ran: bool = False
+    # the hosts its nodes run or ran on, in order, where the launcher names them
+    # (`torchrun_ssh`: [] until the job is placed); None: a job of another launcher
+    hosts: Optional[List[str]] = None
 
 
 @dataclass
@@ -117,6 +120,8 @@ class SweepReport:
         self.interrupted = False
         # this launcher keeps the record (node 0 of the nodes that share the sweep dir)
         self.writes = True
+        # its runner names each job's hosts (`torchrun_ssh`): the record keeps them
+        self.names_hosts = False
         self._started: Dict[int, float] = {}
         self._batch: List[int] = []
         # of this batch: the jobs that run now (not from the record), and those that have ended
@@ -172,6 +177,7 @@ class SweepReport:
                     str(job.output_dir) if job.output_dir is not None else "",
                     job.fingerprint,
                     subdir,
+                    hosts=[] if self.names_hosts else None,
                 )
             self.outcomes[job.idx] = outcome
         for num in done:
@@ -193,14 +199,23 @@ class SweepReport:
         outcome.subdir = os.path.relpath(job.output_dir, self.sweep_dir)
         outcome.fingerprint = job.fingerprint
 
-    def started(self, num: int, at: Optional[float] = None, line: Optional[str] = None) -> None:
+    def started(
+        self,
+        num: int,
+        at: Optional[float] = None,
+        line: Optional[str] = None,
+        hosts: Optional[List[str]] = None,
+    ) -> None:
         """The job starts (`at`: when, on the monotonic clock, if before now): RUNNING in the
         record until it ends, so that a record left by a launcher that died (kill -9, a node
         failure) says the job did not end. `line`: what to say of it (its title, where it
-        runs), logged; on a terminal the progress line counts it instead."""
+        runs), logged; on a terminal the progress line counts it instead. `hosts`: the
+        hosts it runs on, kept in its row (`torchrun_ssh`)."""
         self._started[num] = time.monotonic() if at is None else at
         outcome = self.outcomes[num]
         outcome.status = RUNNING
+        if hosts is not None:
+            outcome.hosts = list(hosts)
         # a job resumed from the record runs again: its earlier run's end is not its own now
         outcome.error = outcome.return_value = outcome.duration_s = None
         if self._progress is not None:

@@ -63,9 +63,10 @@ class JobEvents(Protocol):
         mark of its ranks cleared (unless it continues in its job dir). `placed`: where the
         runner put the job, for its rerun.sh to run it there again (None: on `devices`)."""
 
-    def started(self, plan: JobPlan, detail: Optional[str]) -> None:
+    def started(self, plan: JobPlan, detail: Optional[str], hosts: Optional[List[str]] = None) -> None:
         """The job is handed to its nodes, or taken back from an earlier run: its time counts
-        from now; its line ends with `detail` (None: no line)."""
+        from now; its line ends with `detail` (None: no line). `hosts`: the hosts its nodes
+        run on, in order, for the record (a runner that names hosts: `names_hosts`)."""
 
     def running(self, plan: JobPlan, since: float) -> None:
         """Its ranks run since `since` (monotonic), where that is known later than `started`."""
@@ -79,6 +80,8 @@ class Runner(Protocol):
 
     # the sweep's stop notice (the stop signal taken as a preemption notice), or None
     notice: Optional[StopNotice]
+    # its jobs run on hosts it names (`torchrun_ssh`): the record keeps each job's hosts
+    names_hosts: bool
 
     def job_settings(self, config: DictConfig) -> "tuple[JobSettings, Optional[str]]":
         """A job's launcher settings from its composed config, checked; and a line to log once."""

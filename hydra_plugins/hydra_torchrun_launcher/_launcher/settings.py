@@ -39,8 +39,9 @@ def _refuse(key: str, value: Any, allowed: str) -> LauncherConfigError:
     return LauncherConfigError(f"hydra.launcher.{key}={value!r} is invalid: {allowed}")
 
 
-def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
-    """Resolve `hydra.launcher` of one job's config (its interpolations included) and check it."""
+def resolve_settings(launcher_cfg: DictConfig, on_hosts: bool = False) -> JobSettings:
+    """Resolve `hydra.launcher` of one job's config (its interpolations included) and check it
+    (`on_hosts`: but what only each host can tell, see `JobSettings.on_hosts`)."""
     raw = OmegaConf.to_container(launcher_cfg, resolve=True)
     assert isinstance(raw, dict)
     known = {f.name for f in fields(TorchrunLauncherConf)}
@@ -50,35 +51,42 @@ def resolve_settings(launcher_cfg: DictConfig) -> JobSettings:
             f"hydra.launcher.{unknown[0]} is not a key of the torchrun launcher "
             f"(keys: {', '.join(sorted(k for k in known if not k.startswith('_')))})"
         )
-    return checked_settings(TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()}))
+    return checked_settings(
+        TorchrunLauncherConf(**{key: _typed(key, value) for key, value in raw.items()}), on_hosts
+    )
 
 
-def placed_job_settings(raw: Dict[str, Any], nodes: int, first_node_endpoint: str) -> JobSettings:
+def placed_job_settings(
+    raw: Dict[str, Any], nodes: int, first_node_endpoint: str, on_hosts: bool = False
+) -> JobSettings:
     """The settings of a job that a runner places on `nodes` nodes of its own (SLURM's, the
     hosts'): `raw`, the per-job keys, read as the torchrun launcher reads them, the job's
-    rendezvous on its first node; a node count refused is named by the launcher's key, `nodes`."""
+    rendezvous on its first node; a node count refused is named by the launcher's key, `nodes`.
+    `on_hosts`: what only each host can tell is left to it (`JobSettings.on_hosts`)."""
     raw = dict(raw, nnodes=nodes, cluster="none", preload=[], requeue=False)
     if nodes > 1:
         raw.update(rdzv_backend="c10d", rdzv_endpoint=first_node_endpoint)
     try:
-        return resolve_settings(OmegaConf.create(raw))
+        return resolve_settings(OmegaConf.create(raw), on_hosts)
     except LauncherConfigError as e:
         if "nnodes" in str(e):
             raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None
         raise
 
 
-def checked_settings(conf: TorchrunLauncherConf) -> JobSettings:
-    """`conf` checked (every key's value and how keys combine) and parsed into a job's settings."""
+def checked_settings(conf: TorchrunLauncherConf, on_hosts: bool = False) -> JobSettings:
+    """`conf` checked (every key's value and how keys combine) and parsed into a job's settings
+    (`on_hosts`: what only each host can tell is left to it, see `JobSettings.on_hosts`)."""
     min_nodes, max_nodes = parse_nnodes(conf.nnodes)
     _check_nproc(conf.nproc_per_node)
-    _check_scalars(conf)
+    _check_scalars(conf, on_hosts)
     return JobSettings(
         conf=conf,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         rdzv_conf=parse_rdzv_conf(conf.rdzv_conf),
         local_ranks_filter=parse_local_ranks_filter(conf.local_ranks_filter),
+        on_hosts=on_hosts,
     )
 
 
@@ -180,7 +188,7 @@ def _entry_point_names(group: str, builtin: Tuple[str, ...] = ()) -> Tuple[str, 
     return (*builtin, *sorted({ep.name for ep in selected} - set(builtin)))
 
 
-def _check_scalars(conf: TorchrunLauncherConf) -> None:
+def _check_scalars(conf: TorchrunLauncherConf, on_hosts: bool = False) -> None:
     checks = [
         ("start_method", conf.start_method in START_METHODS, "use one of " + ", ".join(START_METHODS)),
         ("max_restarts", conf.max_restarts >= 0, "use an int >= 0"),
@@ -232,7 +240,8 @@ def _check_scalars(conf: TorchrunLauncherConf) -> None:
         ),
         (
             "launch_prefix",
-            not conf.launch_prefix or shutil.which(str(conf.launch_prefix[0])) is not None,
+            # on hosts of their own: on each host's PATH, looked up there (`_job.agent`)
+            not conf.launch_prefix or on_hosts or shutil.which(str(conf.launch_prefix[0])) is not None,
             f"{conf.launch_prefix[0] if conf.launch_prefix else ''} is not a program found on PATH",
         ),
     ]

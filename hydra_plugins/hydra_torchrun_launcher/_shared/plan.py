@@ -25,6 +25,10 @@ class JobSettings:
     max_nodes: int
     rdzv_conf: Dict[str, Any]
     local_ranks_filter: Optional[Set[int]]
+    # the job's nodes are hosts of their own (`torchrun_ssh`): what only a host can tell
+    # (launch_prefix's program on its PATH, nproc_per_node's gpu / cpu / auto / xpu counted by
+    # its torch) is decided by each node's job process there, as torchrun does on each node
+    on_hosts: bool = False
 
     def changed_from_default(self) -> Dict[str, Any]:
         """Keys whose value differs from the plugin's default (to refuse unsupported ones)."""
@@ -104,6 +108,9 @@ class JobPlan:
     resumed: bool = False
     # what the job computes (the task's source, its config): a record of the same job has it
     fingerprint: str = ""
+    # the host this node runs on, as ssh knows it (`torchrun_ssh`): named where a setting of
+    # the host's own is refused there
+    host: Optional[str] = None
     # this launcher's node among the sweep's nodes that share its sweep dir (`_launcher.lock`);
     # node 0 keeps the sweep's record and the jobs' bookkeeping files
     node_slot: int = 0

@@ -24,13 +24,16 @@ class NoCallbacks:
         raise AttributeError(name)
 
 
-def node_request(first: bytes, node: int, environ: Dict[str, str], devices: Optional[List[str]]) -> bytes:
-    """Node `node`'s request, from the job's first node's (`first`, encoded)."""
+def node_request(
+    first: bytes, node: int, environ: Dict[str, str], devices: Optional[List[str]], host: str
+) -> bytes:
+    """Node `node`'s request, on `host`, from the job's first node's (`first`, encoded)."""
     request = decode_request(first)
     plan = request.plan
     conf = dataclasses.replace(plan.settings.conf, node_rank=node)
     plan.settings = dataclasses.replace(plan.settings, conf=conf)
     plan.node_slot = node
+    plan.host = host
     request.environ = environ
     request.devices = devices
     request.config = without_bookkeeping(request.config)

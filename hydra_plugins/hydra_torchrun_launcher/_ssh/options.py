@@ -7,16 +7,18 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._launcher.settings import placed_job_settings
+from .._launcher.settings import check_preload, placed_job_settings
 from .._shared.errors import LauncherConfigError
 from .._shared.plan import JobSettings
-from ..config import SSH_KEYS, TorchrunSshLauncherConf
+from ..config import SSH_KEYS, TorchrunSshLauncherConf, described
 from .hosts import Host, check_patterns, resolve_hosts
 
 # the rendezvous endpoint of a multi-host job until its hosts are known (`_ssh.ssh_runner`)
 FIRST_HOST_ENDPOINT = "first-host-of-the-job:0"
+# the torchrun launcher's keys that each host's agent has (`preload`): the agents', not a job's
+AGENT_KEYS = tuple(described("hosts"))
 # the keys that start the sweep's agents or share out its hosts: the same for every job
-SWEEP_WIDE = ("hosts", "hostfile", "parallel_jobs", "ssh_options", "python")
+SWEEP_WIDE = ("hosts", "hostfile", "parallel_jobs", "ssh_options", "python", *AGENT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class SshOptions:
     ssh_options: Tuple[str, ...]
     python: str
     env_forward: Tuple[str, ...]
+    # what each host's warm server imports besides torch: auto, or a list of modules
+    preload: Any
     # the raw sweep-wide values, to compare across jobs
     sweep_wide: Tuple[Any, ...]
 
@@ -38,7 +42,7 @@ def split_launcher_config(launcher_cfg: DictConfig, launch_dir: str) -> "tuple[J
     checked as the torchrun launcher's are, and its ssh options, checked here."""
     raw = OmegaConf.to_container(launcher_cfg, resolve=True)
     assert isinstance(raw, dict)
-    ssh = {key: raw.pop(key) for key in SSH_KEYS if key in raw}
+    ssh = {key: raw.pop(key) for key in (*SSH_KEYS, *AGENT_KEYS) if key in raw}
     raw.pop("_target_", None)
     known = sorted(f.name for f in fields(TorchrunSshLauncherConf) if not f.name.startswith("_"))
     unknown = sorted(set(raw) - set(known))
@@ -48,7 +52,8 @@ def split_launcher_config(launcher_cfg: DictConfig, launch_dir: str) -> "tuple[J
             f"(keys: {', '.join(known)})"
         )
     options = ssh_options(ssh, launch_dir)
-    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT)
+    # what only a host can tell (launch_prefix's program, nproc_per_node=gpu) is its own to decide
+    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT, on_hosts=True)
     return settings, options
 
 
@@ -77,6 +82,8 @@ def ssh_options(ssh: Dict[str, Any], launch_dir: str) -> SshOptions:
     python = ssh.get("python") or sys.executable
     if not isinstance(python, str):
         raise LauncherConfigError(f"hydra.launcher.python={python!r} is invalid: the interpreter's path")
+    preload = ssh.get("preload", "auto")
+    check_preload(preload)
     return SshOptions(
         hosts=tuple(hosts),
         nodes=nodes,
@@ -84,5 +91,6 @@ def ssh_options(ssh: Dict[str, Any], launch_dir: str) -> SshOptions:
         ssh_options=tuple(str(arg) for arg in extra),
         python=python,
         env_forward=tuple(check_patterns(ssh.get("env_forward"))),
+        preload=preload,
         sweep_wide=tuple(repr(ssh.get(key)) for key in SWEEP_WIDE),
     )

@@ -61,14 +61,16 @@ _STOP_MARGIN_S = 30.0
 class SshRunner:
     """`hydra/launcher=torchrun_ssh`'s runner (`_launcher.runner.Runner`)."""
 
+    names_hosts = True
+
     def __init__(self, launcher: Any) -> None:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
         self.notice: Optional[StopNotice] = sweep_notice(
             launcher.notice, sweep_stop_signal(launcher.config), launcher.hydra_context.callbacks
         )
         launcher.notice = self.notice
-        # what each host's warm server imports besides torch: what the app has imported here
-        self.preload = preload_modules("auto")
+        # what each host's warm server imports besides torch (`preload`, the first job's)
+        self.preload: Tuple[str, ...] = ()
         self.options: Dict[int, SshOptions] = {}
         self.stopped = ""
 
@@ -81,6 +83,8 @@ class SshRunner:
     def check_sweep(self, first: JobPlan) -> None:
         self.first = self.options[first.idx]
         self.first_plan = first
+        # auto: what the app has imported here by now
+        self.preload = preload_modules(self.first.preload)
         self.check_job(first)
 
     def check_job(self, plan: JobPlan) -> None:
@@ -122,7 +126,8 @@ class SshRunner:
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
                 *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
                 f"\t\tjob dir: {plan.output_dir}",
-                f"\t\tranks:   {plan.nproc} per host x {options.nodes} host(s), {conf.start_method}"
+                f"\t\tranks:   {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
+                f"x {options.nodes} host(s), {conf.start_method}"
                 + (", c10d rendezvous on the job's first host" if options.nodes > 1 else ""),
             ]
         return "\n".join(lines)
@@ -173,14 +178,20 @@ class _HostState:
     def fits(self, nproc: int) -> bool:
         if self.agent.lost is not None:
             return False
-        return len(self.free) >= nproc if self.free is not None else not self.jobs
+        return len(self.free) >= self._needs(nproc) if self.free is not None else not self.jobs
 
     def take(self, idx: int, nproc: int) -> Optional[List[str]]:
         self.jobs.add(idx)
         if self.free is None:
             return None
-        taken, self.free = self.free[:nproc], self.free[nproc:]
+        need = self._needs(nproc)
+        taken, self.free = self.free[:need], self.free[need:]
         return taken
+
+    def _needs(self, nproc: int) -> int:
+        """The slots a job takes: its ranks', or every slot of the host where the host counts
+        its ranks itself (nproc 0: nproc_per_node=gpu counts the devices it is given)."""
+        return nproc or (self.host.slots or 0)
 
     def give_back(self, idx: int, devices: Optional[List[str]]) -> None:
         self.jobs.discard(idx)
@@ -354,13 +365,13 @@ class _Sweep:
             {**state.agent.ready["environ"], **forwarded(options.env_forward, plan.env_set, os.environ)}  # type: ignore[index]
             for state in hosts
         ]
-        first = plan
+        first = dataclasses.replace(plan, host=hosts[0].host.name)
         if len(hosts) > 1:
             run = f"ssh-{self.run_tag}-{plan.idx}"
             endpoint = f"{hosts[0].agent.hostname}:{derived_port(run)}"
             conf = dataclasses.replace(plan.settings.conf, node_rank=0, rdzv_endpoint=endpoint)
             first = dataclasses.replace(
-                plan,
+                first,
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
@@ -368,12 +379,16 @@ class _Sweep:
         where = ", ".join(
             state.host.name + (f" (devices {','.join(d)})" if d else "") for state, d in zip(hosts, devices)
         )
-        self.events.started(plan, f" on {where}")
+        self.events.started(plan, f" on {where}", [state.host.name for state in hosts])
         running = _Running(plan, hosts, devices, set(range(len(hosts))))
         self.running[plan.idx] = running
         limit = _hard_limit_s(plan)
         for node, state in enumerate(hosts):
-            node_bytes = request if node == 0 else node_request(request, node, environs[node], devices[node])
+            node_bytes = (
+                request
+                if node == 0
+                else node_request(request, node, environs[node], devices[node], state.host.name)
+            )
             sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
             if not sent:  # lost as the job started: its loss fails the job when seen
                 continue

@@ -73,6 +73,8 @@ class SlurmRunner:
 
     # the stop signal is SLURM's to send to the jobs' nodes: the launcher takes no notice
     notice = None
+    # SLURM names a job's nodes (squeue), not the launcher
+    names_hosts = False
 
     def __init__(self, launcher: Any) -> None:
         self.sweep_dir = Path(str(launcher.config.hydra.sweep.dir))

@@ -3,8 +3,8 @@
     torchrun-sweep status DIR [--json]   where the sweep in DIR stands
     torchrun-sweep cancel DIR            scancel its SLURM jobs still queued or running
 
-DIR is a sweep dir (`hydra.sweep.dir`) of `hydra/launcher=torchrun` or `torchrun_slurm`,
-running, detached or ended. `status` reads the sweep's record and, for SLURM jobs in flight,
+DIR is a sweep dir (`hydra.sweep.dir`) of `hydra/launcher=torchrun`, `torchrun_slurm` or
+`torchrun_ssh`, running, detached or ended. `status` reads the sweep's record and, for SLURM jobs in flight,
 asks `squeue` once; `cancel` asks `squeue` once and `scancel`s once. Neither imports torch.
 
 Exit status: 0; 1 when SLURM refused to cancel (or `cancel` was asked of a local sweep); 2
@@ -13,13 +13,16 @@ line is wrong.
 
 `status --json` prints one JSON object (its shape is kept; keys may be added):
 
-    {"sweep_dir": absolute path, "runner": "local" | "slurm",
+    {"sweep_dir": absolute path, "runner": "local" | "slurm" | "ssh",
      "stage": "running" | "detached" | "unfinished" | "ended",
      "launcher": "pid N on HOST since T" while a launcher runs the sweep, else null,
      "counts": {state: number of jobs}, "varying": [keys of the overrides that vary],
      "squeue_error": null, or why SLURM's states are unknown,
      "jobs": [{"num", "state", "recorded", "slurm_id", "nodes", "elapsed_s", "overrides",
                "return_value", "error", "note", "job_dir"}]}
+
+`nodes`: the nodes SLURM runs a job on, or the hosts an ssh sweep's job runs or ran on
+("host1,host2"); null otherwise.
 
 `state` is where the job stands now: the record's status (COMPLETED, FAILED, PREEMPTED,
 STOPPED, RUNNING, NOT_STARTED), SLURM's state of a job in flight (PENDING, RUNNING, ...),
@@ -121,8 +124,8 @@ def as_json(view: SweepView) -> Dict[str, Any]:
 
 def as_text(view: SweepView) -> str:
     """The sweep's line, its counts, then a row per job."""
-    kind = "SLURM" if view.runner == "slurm" else "local"
-    lines = [f"{shown_path(str(view.sweep_dir))}: a {kind} sweep, {_stage(view)}"]
+    kind = {"slurm": "a SLURM", "ssh": "an ssh"}.get(view.runner, "a local")
+    lines = [f"{shown_path(str(view.sweep_dir))}: {kind} sweep, {_stage(view)}"]
     tally = ", ".join(f"{count} {_word(state)}" for state, count in view.counts.items())
     lines.append(f"{len(view.jobs)} jobs: {tally}")
     if view.squeue_error:
@@ -204,7 +207,8 @@ def cancel_jobs(sweep_dir: Path) -> "tuple[str, int]":
     if view.runner != "slurm":
         how = f"; its launcher is {view.launcher}" if view.launcher else ""
         return (
-            f"{shown} is a local sweep (no {SLURM_DIR}/ in it): it has no SLURM job to cancel{how}",
+            f"{shown} is {'an ssh' if view.runner == 'ssh' else 'a local'} sweep (no {SLURM_DIR}/ in it): "
+            f"it has no SLURM job to cancel{how}",
             1,
         )
     in_flight = {job.num: str(job.slurm_id) for job in view.jobs if job.queued_or_running()}

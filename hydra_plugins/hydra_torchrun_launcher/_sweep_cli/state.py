@@ -81,7 +81,8 @@ class JobView:
     overrides: List[str]
     job_dir: str
     slurm_id: Optional[str] = None
-    # the nodes SLURM runs it on (as squeue says them)
+    # the nodes SLURM runs it on (as squeue says them); the hosts an ssh sweep's job runs or
+    # ran on (as the record keeps them), comma-separated
     nodes: Optional[str] = None
     elapsed_s: Optional[float] = None
     return_value: Any = None
@@ -102,7 +103,7 @@ class SweepView:
     """A sweep as `status` shows it."""
 
     sweep_dir: Path
-    runner: str  # "local" or "slurm"
+    runner: str  # "local", "slurm" or "ssh"
     stage: str
     # who holds the sweep's lock ("pid N on HOST since T") while a launcher runs it
     launcher: Optional[str]
@@ -121,7 +122,10 @@ def read_sweep(sweep_dir: Path) -> SweepView:
     record = _record(sweep_dir)
     alive, said = launcher_alive(sweep_dir)
     slurm = sweep_dir / SLURM_DIR
-    runner = "slurm" if slurm.is_dir() else "local"
+    if slurm.is_dir():
+        runner = "slurm"
+    else:  # an ssh sweep's record keeps its jobs' hosts (`JobOutcome.hosts`)
+        runner = "ssh" if any(outcome.hosts is not None for outcome in record.jobs.values()) else "local"
     in_flight = _in_flight(slurm, record)
     runs = _runs(slurm)
     states: Optional[Dict[str, JobState]] = None
@@ -146,15 +150,19 @@ def read_sweep(sweep_dir: Path) -> SweepView:
             return_value=outcome.return_value,
             error=outcome.error,
         )
+        if outcome.hosts:
+            job.nodes = ",".join(outcome.hosts)
         if num in in_flight:
             job.in_flight = True
             _as_slurm_shows_it(job, in_flight[num], states, runs)
         elif outcome.status == RUNNING:
+            on = f" on {job.nodes}" if job.nodes else ""
             if alive is False:
                 job.state = UNFINISHED
-                job.note = "its launcher ended while it ran"
+                job.note = f"its launcher ended while it ran{on}"
             else:
                 job.elapsed_s = _running_for(Path(job.job_dir), now)
+                job.note = f"on {job.nodes}" if job.nodes else None
         jobs.append(job)
     if alive and said:
         stage = RUNNING_STAGE
