@@ -54,6 +54,11 @@ class _StandIn(Exception):
 
 
 _STUB = compile("raise _StandIn", "<rank traceback>", "exec")
+# a stand-in frame's globals. Hydra 1.4 reads a frame whose globals name `_SyntheticTraceback`
+# (and no `__name__`) as one its own JobReturn restored from another process, and places it
+# by its code's file and name: so it finds run_job among ours, and prints the task's frames
+# from there on, as for a job of its own launchers (a key of our own: nothing of Hydra's)
+_STAND_IN_GLOBALS = {"_StandIn": _StandIn, "_SyntheticTraceback": _StandIn}
 
 
 # the launcher's own modules (this package, all its folders): their frames are plumbing
@@ -270,7 +275,7 @@ def _stand_in_frame(filename: str, name: str, lineno: int) -> FrameType:
     if hasattr(code, "co_qualname"):  # Python >= 3.11 shows co_qualname
         code = code.replace(co_qualname=name)
     try:
-        exec(code, {"_StandIn": _StandIn})
+        exec(code, _STAND_IN_GLOBALS)
     except _StandIn as e:
         assert e.__traceback__ is not None and e.__traceback__.tb_next is not None
         return e.__traceback__.tb_next.tb_frame
