@@ -315,24 +315,33 @@ class _SlurmQueueConf:
 # launcher's own, with the same meaning there
 SLURM_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SlurmQueueConf) if f.name != "_target_")
 
+
 # The per-job keys as a base of TorchrunSlurmLauncherConf, made of TorchrunLauncherConf's own
 # fields: TorchrunLauncherConf cannot inherit it, as its order (what `--cfg hydra` prints)
 # interleaves per-job keys with the others. Each base has a docstring: without one,
 # dataclass writes one from inspect.signature, which costs 2 ms at import here.
-PerJobConf = make_dataclass(
+def _keys_of_launcher(name: str, marked: str, doc: str) -> type:
+    """A base made of TorchrunLauncherConf's fields whose metadata says `marked`, in its order,
+    with their defaults and descriptions: the keys another launcher shares with it."""
+    return make_dataclass(
+        name,
+        [
+            (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+            for f in fields(TorchrunLauncherConf)
+            if f.metadata.get(marked)
+        ],
+        namespace={"__doc__": doc},
+        init=False,
+        repr=False,
+        eq=False,
+    )
+
+
+PerJobConf = _keys_of_launcher(
     "PerJobConf",
-    [
-        (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
-        for f in fields(TorchrunLauncherConf)
-        if f.metadata.get("per_job")
-    ],
-    namespace={
-        "__doc__": "The torchrun launcher's keys that a job has on its own (`per_job`), in its "
-        "order, with its defaults and descriptions: what every way of running jobs shares."
-    },
-    init=False,
-    repr=False,
-    eq=False,
+    "per_job",
+    "The torchrun launcher's keys that a job has on its own (`per_job`), in its "
+    "order, with its defaults and descriptions: what every way of running jobs shares.",
 )
 
 
@@ -387,20 +396,11 @@ SSH_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(_SshHostsConf) if f.nam
 
 # The keys each host's agent has too (`hosts`), as a base of TorchrunSshLauncherConf made of
 # TorchrunLauncherConf's own fields, as PerJobConf is.
-HostAgentConf = make_dataclass(
+HostAgentConf = _keys_of_launcher(
     "HostAgentConf",
-    [
-        (f.name, f.type, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
-        for f in fields(TorchrunLauncherConf)
-        if f.metadata.get("hosts")
-    ],
-    namespace={
-        "__doc__": "The torchrun launcher's keys that each host's agent of torchrun_ssh has too "
-        "(`hosts`), in its order, with its defaults and descriptions."
-    },
-    init=False,
-    repr=False,
-    eq=False,
+    "hosts",
+    "The torchrun launcher's keys that each host's agent of torchrun_ssh has too "
+    "(`hosts`), in its order, with its defaults and descriptions.",
 )
 
 
