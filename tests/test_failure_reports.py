@@ -477,30 +477,36 @@ def test_ctrl_c_while_a_failed_job_shuts_down_keeps_the_failure_first(tmp_path: 
 # --- 4. a rank that hangs past job_timeout -----------------------------------------------------
 
 
+def _assert_named_past_job_timeout(run: Run, timeout: int, app: str, caller: str) -> None:
+    """The job's account of a two-rank job past job_timeout, in its line and in the summary:
+    rank 0 sleeps in `_forever` of `app`, rank 1 waits in a gloo barrier called from `caller`;
+    each rank named with where it was, then where its output is."""
+    assert run.returncode == 1, run.console
+    lines = run.account(0)
+    assert lines[0] == f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped", (
+        run.console
+    )
+    rank0 = rf"still running: rank 0 \(local_rank 0, pid \d+\) in _forever \({app}\.py:\d+\)"
+    rank1 = (
+        r"still running: rank 1 \(local_rank 1, pid \d+\) in barrier \(distributed_c10d\.py:\d+\), "
+        rf"called from {re.escape(caller)} \({app}\.py:\d+\)"
+    )
+    assert re.fullmatch(rank0, lines[1]) and re.fullmatch(rank1, lines[3]), run.console
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/0/stderr\.log", lines[2])
+    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log", lines[4])
+    assert len(lines) == 5, run.console
+    (job,) = run.summary()
+    assert job["status"] == "FAILED" and job["error"].splitlines() == lines, job
+
+
 def test_a_rank_hanging_past_job_timeout_is_named_with_where_it_was(tmp_path: Path) -> None:
     # rank 0 sleeps in Python; rank 1 waits for it in a gloo barrier (in C)
     timeout = 12
     run = _sweep(
         tmp_path, "mode=hang", f"hydra.launcher.job_timeout={timeout}", "hydra.launcher.shutdown_timeout=1"
     )
-    assert run.returncode == 1, run.console
-
-    lines = run.account(0)
-    assert lines[0] == f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped", (
-        run.console
-    )
-    rank0 = r"still running: rank 0 \(local_rank 0, pid \d+\) in _forever \(fault_app\.py:\d+\)"
-    rank1 = (
-        r"still running: rank 1 \(local_rank 1, pid \d+\) in barrier \(distributed_c10d\.py:\d+\), "
-        r"called from _hang \(fault_app\.py:\d+\)"
-    )
-    assert re.fullmatch(rank0, lines[1]) and re.fullmatch(rank1, lines[3]), run.console
-    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/0/stderr\.log", lines[2])
-    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/1/stderr\.log", lines[4])
-    assert len(lines) == 5, run.console
+    _assert_named_past_job_timeout(run, timeout, "fault_app", "_hang")
     assert f"the job ran past hydra.launcher.job_timeout={timeout}s" in run.table_row(0), run.console
-    (job,) = run.summary()
-    assert job["status"] == "FAILED" and job["error"].splitlines() == lines, job
     # Hydra's last word: each rank's last lines, and its stack, from the task's frames on
     told = run.last_word()
     for rank, frame in ((0, "in _forever"), (1, "in _hang")):
@@ -528,21 +534,7 @@ def test_a_training_script_hanging_past_job_timeout_is_named_with_where_it_was(t
         f"hydra.launcher.job_timeout={timeout}",
         "hydra.launcher.shutdown_timeout=1",
     )
-    assert run.returncode == 1, run.console
-    lines = run.account(0)
-    assert lines[0] == f"the job ran past hydra.launcher.job_timeout={timeout}s; its ranks were stopped", (
-        run.console
-    )
-    rank0 = r"still running: rank 0 \(local_rank 0, pid \d+\) in _forever \(hang_script\.py:\d+\)"
-    rank1 = (
-        r"still running: rank 1 \(local_rank 1, pid \d+\) in barrier \(distributed_c10d\.py:\d+\), "
-        r"called from <module> \(hang_script\.py:\d+\)"
-    )
-    assert re.fullmatch(rank0, lines[1]) and re.fullmatch(rank1, lines[3]), run.console
-    assert re.fullmatch(r"its output: multirun/0/torchrun_logs/.+/attempt_0/0/stderr\.log", lines[2])
-    assert len(lines) == 5, run.console
-    (job,) = run.summary()
-    assert job["status"] == "FAILED" and job["error"].splitlines() == lines, job
+    _assert_named_past_job_timeout(run, timeout, "hang_script", "<module>")
     told = run.last_word()
     for rank, frame in ((0, "in _forever"), (1, "in <module>")):
         assert (
