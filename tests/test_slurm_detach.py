@@ -21,7 +21,6 @@ from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
 from tests.test_slurm_submit import (
     QUEUE_EMPTIES_S,
     SWEEP_TIMEOUT_S,
-    _command,
     _once_running,
     _queue,
     _start,
@@ -218,17 +217,13 @@ def test_a_thousand_one_node_jobs_detach_status_and_cancel(
     submission costs against Hydra's own validation is measured by
     benchmarks/slurm_submit.py --detach --hold (docs/login-node.md)."""
     jobs = 1000
-    result = subprocess.run(
-        _command(
-            "hydra.launcher.detach=true",
-            "+hydra.launcher.additional_parameters.hold=true",
-            f"x=range(0,{jobs})",
-        ),
-        cwd=app_dir,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=THOUSAND_JOBS_TIMEOUT_S,
+    result = _sweep(
+        cluster,
+        app_dir,
+        "hydra.launcher.detach=true",
+        "+hydra.launcher.additional_parameters.hold=true",
+        f"x=range(0,{jobs})",
+        timeout_s=THOUSAND_JOBS_TIMEOUT_S,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]

@@ -54,14 +54,16 @@ def _command(*overrides: str) -> List[str]:
     ]
 
 
-def _sweep(cluster: SlurmCluster, app_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+def _sweep(
+    cluster: SlurmCluster, app_dir: Path, *overrides: str, timeout_s: float = SWEEP_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         _command(*overrides),
         cwd=app_dir,
         env=cluster.env,
         capture_output=True,
         text=True,
-        timeout=SWEEP_TIMEOUT_S,
+        timeout=timeout_s,
     )
 
 
