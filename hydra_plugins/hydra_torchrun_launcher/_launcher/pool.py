@@ -31,7 +31,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
 from .._job.agent import job_log_dir
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan

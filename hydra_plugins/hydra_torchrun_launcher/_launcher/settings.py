@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from .._shared.signals import signals_named
 from ..config import TorchrunLauncherConf

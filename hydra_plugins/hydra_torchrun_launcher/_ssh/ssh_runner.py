@@ -35,14 +35,14 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
 from .._launcher.runner import JobEvents, JobFeed, Placement
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, Rendezvous
 from .._shared.signals import group_signals, handled_by
