@@ -16,8 +16,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.test_utils.test_utils import TSweepRunner
 from omegaconf import DictConfig, OmegaConf
 
-from hydra_plugins.hydra_torchrun_launcher._job.failures import JobFailedError
-from hydra_plugins.hydra_torchrun_launcher._rank.error import failure_summary
+from hydra_plugins.hydra_torchrun_launcher._job.failure_report import JobFailedError
+from hydra_plugins.hydra_torchrun_launcher._rank.carried_exception import failure_summary
 from tests.conftest import assert_gone, run_app
 
 pytestmark = [pytest.mark.usefixtures("hydra_restore_singletons"), pytest.mark.timeout(240)]

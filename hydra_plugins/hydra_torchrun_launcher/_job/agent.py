@@ -11,7 +11,7 @@ Real-process ranks get their settings through files in a private directory (0700
 Past `job_timeout` (torch's agent is interrupted by the SIGALRM of `_on_deadline`, before its
 own shutdown path stops the ranks), the job's process first names the ranks still running
 and asks each one that can where it is (`DUMP_SIGNAL`: faulthandler writes its stack to its
-stderr), so the job's error shows it (`_job.failures.deadline_report`).
+stderr), so the job's error shows it (`_job.failure_report.deadline_report`).
 """
 
 import json
@@ -34,7 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import private_dir as new_private_dir
 from .._shared.stop_files import (
@@ -48,7 +48,7 @@ from .._shared.stop_files import (
 )
 from . import preempt
 from .console import RankConsole
-from .failures import (
+from .failure_report import (
     LiveRankReport,
     deadline_first,
     deadline_report,
@@ -247,7 +247,9 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
 
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
-            _write_private(payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload))))
+            _create_private(
+                payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload)))
+            )
             command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
         else:
             command = script_command(plan)
@@ -259,7 +261,7 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
             # a training script that python runs can be asked for its stack (`_rank.main`)
             "stack_hook": conf.training_script is not None and not conf.no_python,
         }
-        _write_private(spec_file, json.dumps(spec).encode())
+        _create_private(spec_file, json.dumps(spec).encode())
         entry_args = ["-m", RANK_MAIN, "exec", str(spec_file)]
         return AgentJob(plan, launch_config, sys.executable, entry_args, private_dir, console, earlier)
     except BaseException:
@@ -292,7 +294,8 @@ def script_command(plan: JobPlan) -> List[str]:
     return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", *module, script, *conf.training_script_args]
 
 
-def _write_private(path: Path, data: bytes) -> None:
+def _create_private(path: Path, data: bytes) -> None:
+    """Owner-only (0600), and a new file: never one someone put there first (O_EXCL)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -379,7 +382,7 @@ def _run_agent(job: AgentJob) -> Any:
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
     the same SignalException; a stop that came earlier stops the job before the agent starts
-    (`_job.failures.stops_interrupt`). The stop signal asks the ranks to stop at one step
+    (`_job.failure_report.stops_interrupt`). The stop signal asks the ranks to stop at one step
     boundary instead (`_job.preempt`); the job then ends preempted. Whatever came first (a
     rank's failure, the deadline, a stop) is the job's outcome; what came after is said after it.
     """

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Set
 import torch
 from torch.distributed.launcher.api import LaunchConfig
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings, Rendezvous
 from .._shared.signals import not_ignored, signals_named
 from ..config import TorchrunLauncherConf, described

@@ -9,7 +9,7 @@ signal handling and shutdown path are in force. Its ranks inherit this process's
 so they see, from their first line, what torchrun's ranks would see.
 
 The `JobReturn` goes back to the launcher through a pipe, a failed one with the account of
-its failure beside its error (`_rank.error.FailureAccount`); the process then exits, and
+its failure beside its error (`_rank.carried_exception.FailureAccount`); the process then exits, and
 whatever it started goes with it.
 """
 
@@ -28,14 +28,14 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 
-from .._rank.error import ACCOUNT_ATTR, dumps_job_return
+from .._rank.carried_exception import ACCOUNT_ATTR, dumps_job_return
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
 from . import preempt
 from .agent import run_agent_job
-from .failures import JobFailedError, account_for, stop_requested
+from .failure_report import JobFailedError, account_for, stop_requested
 
 _FRAME = struct.Struct("=q")
 

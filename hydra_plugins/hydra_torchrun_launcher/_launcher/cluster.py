@@ -14,7 +14,7 @@ reads): unit-testable anywhere.
 import dataclasses
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from ..config import TorchrunLauncherConf
 from . import cluster_lsf, cluster_mpi, cluster_pet, cluster_slurm

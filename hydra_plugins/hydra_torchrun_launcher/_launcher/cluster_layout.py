@@ -9,7 +9,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 
 # the rendezvous port when none is given: the same on every node of a job, different for
 # other jobs; 20000-31999 stays below Linux's default ephemeral range (32768-60999)

@@ -12,7 +12,7 @@ computes the same one. Lightning's LSFEnvironment reads the same variables.
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .cluster_layout import ClusterLayout, Detection, derived_port, int_var
 
 _IGNORE = "set hydra.launcher.cluster=none to ignore LSF"

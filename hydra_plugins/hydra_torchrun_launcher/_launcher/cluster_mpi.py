@@ -16,7 +16,7 @@ to its own JSM_NAMESPACE_*: those tasks are LSF's (`cluster_lsf`), not MPI's.
 
 from typing import Mapping, Optional
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .cluster_layout import ClusterLayout, Detection, derived_port, first_var, int_var
 
 # (world rank, world size, launchers on this host) of each MPI family, first found wins

@@ -16,7 +16,7 @@ import dataclasses
 import typing
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from .._shared.torchrun_cli import read_from_pet_variables
 from ..config import TorchrunLauncherConf, described

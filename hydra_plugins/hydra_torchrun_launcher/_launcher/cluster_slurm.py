@@ -25,7 +25,7 @@ import shutil
 from typing import Mapping, Optional, Tuple
 
 from .._shared import slurm_commands
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .cluster_layout import ClusterLayout, Detection, derived_port, int_var
 
 # slurm.h: ids above this are the special steps (pending, extern, batch, interactive)

@@ -29,8 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 from .._job.launch_config import counted_by_torch, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
 from .._job.process import JobRequest, encode_request, without_bookkeeping
-from .._rank.error import ended_by_stop
-from .._shared.errors import LauncherConfigError
+from .._rank.carried_exception import ended_by_stop
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import AppScript, JobPlan, JobSettings, RankPayload, stop_signal_of
 from .._shared.stop_files import RANKS_STARTED_FILE

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .._job.launch_config import check_supported
 from .._server.server import checked_warm_server
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import ignored_group_signals

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 
 LOCK_FILE = ".torchrun_launcher.lock"

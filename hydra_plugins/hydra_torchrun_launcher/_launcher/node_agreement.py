@@ -16,7 +16,7 @@ import time
 from typing import Any, Dict, List, Set
 
 from .._job.node_exit import DEFAULT_PORT, listens_on
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 
 AGREE_TIMEOUT_S = 300.0
 _POLL_S = 0.02

@@ -21,22 +21,19 @@ import os
 import selectors
 import signal
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 
 from .._job.agent import job_log_dir
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
-from .._shared.signals import group_signals, handled_by
-from .preempt import StopNotice, SweepStopped
+from .preempt import StopNotice, StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +103,7 @@ def run_jobs(
         for job in running.values():
             _signal(job.pid, sig)
 
-    stop = _StopRequest(forward, notice.signum)
+    stop = StopRequest(forward, notice.signum)
     notice.forward = forward
     try:
         with stop.handling():
@@ -142,8 +139,7 @@ def run_jobs(
                     returns[finished.idx] = _job_return(server, finished, by_idx[finished.idx])
                     on_end(by_idx.pop(finished.idx), returns[finished.idx], stop.signum is not None)
                 _kill_overdue(running)
-            if stop.signum is not None:
-                raise SweepStopped(stop.signum)
+            stop.raise_if_stopped()
     finally:
         if running:  # the launcher itself failed: take the running jobs down with it
             for job in running.values():
@@ -225,25 +221,3 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-class _StopRequest:
-    """The stop signals the launcher receives while jobs run, passed on to the jobs."""
-
-    def __init__(self, forward: Callable[[int], Any], stop_signal: Optional[int]) -> None:
-        self.signum: Optional[int] = None
-        self._forward = forward
-        self._stop_signal = stop_signal  # a preemption notice, not a stop (`_launcher.preempt`)
-
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if self.signum is None:
-            self.signum = signum
-            self._forward(signum)
-        else:  # a second stop: no more waiting for the ranks' graceful shutdown
-            self._forward(signal.SIGKILL)
-
-    @contextmanager
-    def handling(self) -> Iterator[None]:
-        """Our handler for the group signals the launcher does not ignore (main thread only)."""
-        with handled_by(self._handle, [sig for sig in group_signals() if sig != self._stop_signal]):
-            yield

@@ -58,6 +58,39 @@ class _Handling:
             handling.__exit__(None, None, None)
 
 
+# never a `stop_signal`: SIGINT and SIGTERM stop a sweep at once; the others cannot be one
+FORBIDDEN_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
+
+
+class StopRequest:
+    """Ctrl-C, SIGTERM (any group signal but the stop signal) while a runner's jobs run: the
+    first is passed on to every running job (`forward`: their ranks shut down gracefully, no
+    job starts after it), a second one kills them (`forward(SIGKILL)`)."""
+
+    def __init__(self, forward: Callable[[int], Any], stop_signal: Optional[int]) -> None:
+        self.signum: Optional[int] = None  # the first stop, once one came
+        self._forward = forward
+        self._stop_signal = stop_signal  # a preemption notice, not a stop (`StopNotice`)
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is None:
+            self.signum = signum
+            self._forward(signum)
+        else:  # a second stop: no more waiting for the ranks' graceful shutdown
+            self._forward(signal.SIGKILL)
+
+    @contextmanager
+    def handling(self) -> Iterator[None]:
+        """Our handler for the group signals the launcher does not ignore (main thread only)."""
+        with handled_by(self._handle, [sig for sig in group_signals() if sig != self._stop_signal]):
+            yield
+
+    def raise_if_stopped(self) -> None:
+        """SweepStopped, once a stop came."""
+        if self.signum is not None:
+            raise SweepStopped(self.signum)
+
+
 class StopNotice:
     """The stop signal as the launcher receives it during one launch."""
 
@@ -108,8 +141,7 @@ def sweep_stop_signal(config: DictConfig) -> Optional[int]:
         return None
     raw = OmegaConf.select(config, "hydra.launcher.stop_signal", throw_on_resolution_failure=False)
     named = signals_named(raw) if isinstance(raw, str) and "," not in raw else []
-    forbidden = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
-    return named[0] if len(named) == 1 and named[0] not in forbidden else None
+    return named[0] if len(named) == 1 and named[0] not in FORBIDDEN_STOP_SIGNALS else None
 
 
 # the notices (and stop handlers) installed, by the token their release callback holds

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
-from .._rank.error import failure_summary
+from .._rank.carried_exception import failure_summary
 from .._shared.paths import shown_path
 from .durable import replace_whole
 from .journal import JOURNAL_FILE, Journal

@@ -42,7 +42,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.stop_files import RANKS_STARTED_FILE
 from ..config import described

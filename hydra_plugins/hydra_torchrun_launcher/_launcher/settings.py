@@ -17,10 +17,11 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from .._shared.signals import signals_named
 from ..config import TorchrunLauncherConf
+from .preempt import FORBIDDEN_STOP_SIGNALS
 
 START_METHODS = ("forkserver", "spawn", "fork")
 # torchrun also takes the name of a registered out-of-tree device backend (counted at launch)
@@ -300,7 +301,7 @@ def _check_stop_keys(conf: TorchrunLauncherConf) -> None:
         named = signals_named(conf.stop_signal)
         if len(named) != 1 or "," in conf.stop_signal:
             raise _refuse("stop_signal", conf.stop_signal, "use one signal name such as SIGUSR2, or null")
-        if named[0] in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+        if named[0] in FORBIDDEN_STOP_SIGNALS:
             raise _refuse(
                 "stop_signal",
                 conf.stop_signal,

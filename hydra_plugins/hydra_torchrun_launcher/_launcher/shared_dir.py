@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .durable import replace_whole
 from .report import JobOutcome

@@ -77,7 +77,7 @@ def run_script(script: Optional[AppScript], overrides: List[str]) -> None:
 def _named_as_main(module: ModuleType) -> None:
     """The classes the script's body defined are named `__main__.X`, as under `python app.py`
     (and torchrun), not `__mp_main__.X`: a rank's traceback then says `AppError: ...` as
-    Python's does, and the class travels to the launcher by that name (`_rank.error`), where
+    Python's does, and the class travels to the launcher by that name (`_rank.carried_exception`), where
     it is the script's own. Pickling by that name still works here and in spawned workers,
     whose `__main__` is this module too."""
     for value in list(vars(module).values()):

@@ -36,7 +36,7 @@ from .._shared.plan import RankPayload
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals
 from .._shared.stop_files import DUMP_SIGNAL, note_rank_process, note_rank_started
-from .error import write_rank_exception, write_torch_error_file
+from .carried_exception import write_rank_exception, write_torch_error_file
 from .forkserver import drop_inherited_forkserver
 from .preloaded import redo_reads_at_import
 from .script import fresh_random_state, run_script, script_frames, task_function
@@ -130,7 +130,7 @@ def _dump_stack_on_request() -> None:
 def _tell_failure(error: BaseException, tb: Optional[TracebackType]) -> None:
     """On the rank's stderr, as Python prints it for a script under torchrun (from the
     script's or the task's frame on): the console shows it once, with the rank's prefix;
-    and the exception itself, for the job's error (`_rank.error`); and torch's error file
+    and the exception itself, for the job's error (`_rank.carried_exception`); and torch's error file
     where torch cannot write it (an exception whose `__str__` raises)."""
     traceback.print_exception(type(error), error, tb)
     write_rank_exception(error, tb)

@@ -72,7 +72,7 @@ PRIVATE_NAMES = (
     PrivateName(
         "hydra.core.utils",
         "JobReturn._return_value",
-        "_launcher.report, _job.process, _rank.error",
+        "_launcher.report, _job.process, _rank.carried_exception",
         "a dataclass field: the only way to read a failed job's error without raising it",
     ),
     PrivateName(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .errors import LauncherConfigError
+from .config_error import LauncherConfigError
 
 # SLURM's commands answer in well under a second; a hung controller must not hang the sweep
 COMMAND_TIMEOUT_S = 60.0

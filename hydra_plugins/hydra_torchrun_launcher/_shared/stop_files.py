@@ -10,7 +10,7 @@ a launch prefix, and on every node (each node's job process has its own):
 And `ranks/<pid>` in the same private dir: each rank's process as it starts (its rank,
 local rank, attempt, and whether it dumps its stack on `DUMP_SIGNAL`), so that the job's
 process can name the ranks still running when it stops them, and ask those that can where
-they were (`_job.failures.deadline_report`).
+they were (`_job.failure_report.deadline_report`).
 One more lives in the job dir, where it outlasts the job's process (a launcher killed with
 -9 takes its jobs with it): `.hydra/ranks_started`, made as the job's first rank starts, so a
 resumed sweep knows that the job's ranks ran there (and may have left a checkpoint).

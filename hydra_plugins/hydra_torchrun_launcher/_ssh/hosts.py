@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 
 # DeepSpeed's hostfile line: `worker-1 slots=4`
 _SLOTS = re.compile(r"^(\S+)\s+slots=(\d+)$")

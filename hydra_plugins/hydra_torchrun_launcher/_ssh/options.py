@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from .._launcher.settings import check_preload, placed_job_settings
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from ..config import SSH_KEYS, TorchrunSshLauncherConf, described
 from .hosts import Host, check_patterns, resolve_hosts

@@ -28,24 +28,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
-from .._launcher.preempt import StopNotice, SweepStopped, sweep_notice, sweep_stop_signal
+from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
 from .._launcher.runner import JobEvents, JobFeed, Placement
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, Rendezvous
-from .._shared.signals import group_signals, handled_by
 from .head import HostAgent, ssh_command
 from .hosts import Host, forwarded
 from .nodes import node_request
@@ -139,7 +137,7 @@ class SshRunner:
         count = jobs.left()
         sweep = _Sweep(self, jobs, events)
         try:
-            with handled_by(sweep.stop, [sig for sig in group_signals() if sig != self.notice.signum]):
+            with sweep.stop.handling():
                 sweep.start_agents()
                 log.info(
                     f"Launching {count} jobs on {len(sweep.hosts)} host(s) "
@@ -223,17 +221,12 @@ class _Sweep:
         self.selector = selectors.DefaultSelector()
         self.running: Dict[int, _Running] = {}
         self.returns: Dict[int, JobReturn] = {}
-        self.signum: Optional[int] = None
+        assert runner.notice is not None
+        # Ctrl-C or SIGTERM: passed on to every host's jobs, a second one kills them
+        self.stop = StopRequest(self._signal_all, runner.notice.signum)
         self.run_tag = hashlib.sha1(f"{runner.sweep_dir.resolve()}:{time.time()}".encode()).hexdigest()[:12]
 
     # -- signals --------------------------------------------------------------------------
-
-    def stop(self, signum: int, frame: Optional[FrameType]) -> None:
-        if self.signum is None:
-            self.signum = signum
-            self._signal_all(signum)
-        else:  # a second stop: no more waiting for the ranks' graceful shutdown
-            self._signal_all(signal.SIGKILL)
 
     def _signal_all(self, signum: int) -> None:
         for state in self.hosts:
@@ -266,8 +259,7 @@ class _Sweep:
             self.selector.register(agent.stderr, selectors.EVENT_READ, (state, "err"))
         waiting = list(self.hosts)
         while any(s.agent.ready is None and s.agent.lost is None for s in waiting):
-            if self.signum is not None:
-                raise SweepStopped(self.signum)
+            self.stop.raise_if_stopped()
             self._pump(timeout=None)
         failed = [s for s in self.hosts if s.agent.ready is None]
         if failed:
@@ -309,7 +301,7 @@ class _Sweep:
             running = self.running[idx]
             node = running.hosts.index(state)
             why = f"host {state.host.name} was lost: {agent.lost}"
-            if self.signum is None:
+            if self.stop.signum is None:
                 log.warning(f"job #{idx}: {why}; the sweep goes on on the other hosts")
             self._node_ended(running, node, _failure(why, running.plan))
         state.jobs.clear()
@@ -333,7 +325,7 @@ class _Sweep:
         limit = _at_once(self.first)
         upcoming = self.jobs.next()  # composed ahead of its hosts
         while upcoming is not None or self.running:
-            starting = self.signum is None and not notice.received
+            starting = self.stop.signum is None and not notice.received
             while upcoming is not None and starting and len(self.running) < limit:
                 nodes = self.options[upcoming.idx].nodes
                 free = [s for s in self.hosts if s.fits(upcoming.nproc)]
@@ -354,8 +346,7 @@ class _Sweep:
                 break
             self._pump(timeout=HEARTBEAT_S)
             self._heartbeat()
-        if self.signum is not None:
-            raise SweepStopped(self.signum)
+        self.stop.raise_if_stopped()
         return self.returns
 
     def _start(self, plan: JobPlan, hosts: List[_HostState]) -> None:
@@ -393,8 +384,8 @@ class _Sweep:
             if not sent:  # lost as the job started: its loss fails the job when seen
                 continue
         # a stop that came as it started reaches it too
-        if self.signum is not None:
-            self._signal_job(running, self.signum)
+        if self.stop.signum is not None:
+            self._signal_job(running, self.stop.signum)
 
     def _signal_job(self, running: _Running, signum: int, nodes: Optional[Set[int]] = None) -> None:
         for node in sorted(running.open_nodes if nodes is None else nodes):
@@ -452,7 +443,7 @@ class _Sweep:
         if job_return.overrides is None:
             job_return.overrides = list(plan.overrides)
         self.returns[plan.idx] = job_return
-        self.events.ended(plan, job_return, self.signum is not None)
+        self.events.ended(plan, job_return, self.stop.signum is not None)
 
     def close(self) -> None:
         """End every agent's session (its agent ends with it) and wait for them."""

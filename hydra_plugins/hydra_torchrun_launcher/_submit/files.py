@@ -86,7 +86,7 @@ def output_file(directory: Path, idx: int, array_id: str) -> Path:
     return directory / f"job{idx}.{array_id}.out"
 
 
-def write_private(path: Path, data: bytes) -> None:
+def replace_private(path: Path, data: bytes) -> None:
     """Owner-only (0600), replaced whole."""
     replace_whole(path, data, mode=0o600)
 
@@ -95,7 +95,7 @@ def write_first(path: Path, data: bytes) -> bool:
     """Owner-only, and only if no one wrote `path` before (a hard link never replaces): whether
     this call wrote it."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    write_private(partial, data)
+    replace_private(partial, data)
     try:
         os.link(partial, path)
         return True

@@ -47,13 +47,13 @@ from typing import Any, Mapping, Optional
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._job.preempt import JobPreempted
 from .._job.process import decode_request, pickled_return, run_request, without_bookkeeping
 from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
-from .._rank.error import ACCOUNT_ATTR, account_of
+from .._rank.carried_exception import ACCOUNT_ATTR, account_of
 from .._shared import slurm_commands
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
@@ -63,12 +63,12 @@ from .files import (
     RUN_TIME_ATTR,
     failure_file,
     read_private,
+    replace_private,
     request_file,
     requeued_file,
     result_file,
     timeouts_file,
     write_first,
-    write_private,
 )
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         refused = _timeout_refusal(timeouts_file(directory, idx, array_id), time_limit, environ)
         if refused is None:
             how = value.message if value.message == _PREEMPTED_BY_SLURM else "stopped at a step boundary"
-            write_private(requeued_file(directory, idx, array_id), f"{restarts + 1}\n{how}".encode())
+            replace_private(requeued_file(directory, idx, array_id), f"{restarts + 1}\n{how}".encode())
             said = requeue_slurm_job(environ, own_job_id(environ))
             print(f"[torchrun launcher] job #{idx}: {said}", file=sys.stderr, flush=True)
             if said is not None and "is requeued" in said:
@@ -167,14 +167,14 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         else:
             job_return = _failed(job_return, refused)
     setattr(job_return, RUN_TIME_ATTR, round(time.time() - _STARTED, 3))
-    write_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
+    replace_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0
 
 
 def _with_error_of(job_return: JobReturn, pickled: bytes) -> JobReturn:
     """Node 0's JobReturn with the error another node failed with first (a rank's own
-    exception), and that node's account of it (`_rank.error.FailureAccount`), which travels
+    exception), and that node's account of it (`_rank.carried_exception.FailureAccount`), which travels
     beside the error."""
     import cloudpickle
 
@@ -207,7 +207,7 @@ def _timeout_refusal(path: Path, time_limit: "tuple[int, int]", environ: Mapping
             f"left: it was requeued at its time limit {count} time(s) already "
             f"(hydra.launcher.max_num_timeout={allowed})"
         )
-    write_private(path, str(count + 1).encode())
+    replace_private(path, str(count + 1).encode())
     return None
 
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from .._launcher.settings import placed_job_settings
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobSettings
 from ..config import SLURM_KEYS, TorchrunSlurmLauncherConf
 

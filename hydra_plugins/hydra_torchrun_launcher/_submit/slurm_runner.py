@@ -21,14 +21,14 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from .._job.failures import JobFailedError
+from .._job.failure_report import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
 from .._launcher.resume import PlannedResumption
 from .._launcher.runner import JobEvents, JobFeed, SweepDetached
 from .._shared import slurm_commands
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings
 from .._shared.signals import handled_by
@@ -41,11 +41,11 @@ from .files import (
     output_file,
     read_private,
     read_submitted,
+    replace_private,
     request_file,
     requeued_file,
     result_file,
     slurm_dir,
-    write_private,
     write_submitted,
 )
 from .never_starts import never_starts
@@ -273,12 +273,12 @@ class _Sweep:
             log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
         for plan in fresh:
             # each node's own environment, as sbatch exported this one's; SLURM's devices
-            write_private(request_file(self.directory, plan.idx), self.events.request(plan, None, {}, []))
+            replace_private(request_file(self.directory, plan.idx), self.events.request(plan, None, {}, []))
         for slurm, group in arrays(fresh, options).items():
             self._check_stop()
             jobs = [plan.idx for plan in group]
             script = self.directory / f"jobs{jobs[0]}.sbatch"
-            write_private(script, batch_script(slurm, jobs, self.directory, sweep_dir).encode())
+            replace_private(script, batch_script(slurm, jobs, self.directory, sweep_dir).encode())
             try:
                 array_id = slurm_commands.sbatch(script)
             except (SlurmCommandError, OSError) as e:

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .._launcher.report import COMPLETED, job_numbers
 from .._shared import slurm_commands
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.slurm_commands import SlurmCommandError
 from .._submit.files import SLURM_DIR

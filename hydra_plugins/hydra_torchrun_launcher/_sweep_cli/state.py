@@ -23,7 +23,7 @@ from .._launcher.lock import LOCK_FILE, holder
 from .._launcher.report import COMPLETED, FAILED, RUNNING, SUMMARY_FILE, Record
 from .._launcher.resume import job_dir_of, read_record
 from .._shared import slurm_commands
-from .._shared.errors import LauncherConfigError
+from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.slurm_commands import ENDED_STATES, JobState, SlurmCommandError
 from .._submit.files import SLURM_DIR, latest_runs, read_submitted

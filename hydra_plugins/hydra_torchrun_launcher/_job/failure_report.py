@@ -8,7 +8,7 @@ failed without a Python exception (a signal, an exit code, a training script) ha
 traceback to show, so its error ends with the last lines of the rank's stderr, which Hydra
 prints at the end of the sweep as it prints a task's traceback: the job's line, the table
 and `sweep_summary.json` keep the short account, which travels beside the error
-(`_rank.error.FailureAccount`).
+(`_rank.carried_exception.FailureAccount`).
 
 The first cause wins: once a rank has failed (or the job has run past `job_timeout`), a
 stop signal that comes while the job's ranks shut down does not interrupt that shutdown; it
@@ -30,7 +30,7 @@ from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from .._rank.error import (
+from .._rank.carried_exception import (
     EXCEPTION_FILE,
     SUMMARY_ATTR,
     FailureAccount,
@@ -69,7 +69,7 @@ class JobFailedError(CompactHydraException, RuntimeError):
     instead of the launcher's frames. It is rebuilt from `args` when unpickled, so the
     cause survives the trip from the job's process to the launcher. `tail`, the last lines
     of a rank that left no traceback, follows the message in `str()` (what Hydra prints);
-    the launcher's own lines take the message alone (`_rank.error.failure_summary`).
+    the launcher's own lines take the message alone (`_rank.carried_exception.failure_summary`).
     """
 
     def __init__(self, message: str, details: str = "", tail: str = "") -> None:
@@ -474,7 +474,7 @@ def job_error(
 ) -> BaseException:
     """The job's error: the root-cause rank's own exception when it left one, else `describe`'s.
 
-    The rank's exception comes with its frames and chain (`_rank.error`), as Hydra's own
+    The rank's exception comes with its frames and chain (`_rank.carried_exception`), as Hydra's own
     launchers hand back a task's; `describe`'s account (rank first) is what the launcher
     shows (`told`), and the exception's first note, without repeating its own message. A
     stop that came during the shutdown is said after it.

@@ -20,7 +20,7 @@ The job's error is still said first as "rank 1 (local_rank 1, pid N) exited with
 in the launcher's line and table (`failure_summary`) and as the exception's first note.
 That account (`FailureAccount`) travels beside the exception, on the JobReturn, never on the
 exception alone, whose pickling it would otherwise depend on. A failure with no Python
-exception (a signal, an exit code, a script) stays a `_job.failures.JobFailedError`.
+exception (a signal, an exit code, a script) stays a `_job.failure_report.JobFailedError`.
 """
 
 import io
