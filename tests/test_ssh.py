@@ -496,6 +496,46 @@ def test_the_readme_s_console_is_what_a_run_on_two_hosts_prints(tmp_path: Path) 
         _nothing_left(hosts)
 
 
+def test_a_two_host_job_past_job_timeout_names_the_ranks_still_running_on_both_hosts(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """docs/failures.md: past `job_timeout` "the ranks still running are named with where each
+    one was". Every rank of this 2-host job loops until stopped; the job's error named the
+    ranks of one host only (2 and 3 in one run, 0 and 1 in the next), the other host's
+    stacks showed on the console only. The local launcher names every rank of its node: the
+    job's nodes share one deadline, and its error names every node's ranks, each with its host."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.job_timeout=5",
+        "steps=100000",
+        "step_s=0.1",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    error = _summary(app_dir)[0]["error"]
+    assert error.startswith("the job ran past hydra.launcher.job_timeout=5s"), error
+    named = sorted(
+        int(line.split("still running: rank ")[1].split()[0])
+        for line in error.splitlines()
+        if "still running: rank " in line
+    )
+    assert named == [0, 1, 2, 3], error
+    running = [line for line in error.splitlines() if "still running: rank " in line]
+    assert sorted(line.split(" on ")[1].split(")")[0] for line in running) == ["host1"] * 2 + ["host2"] * 2, (
+        error
+    )
+    assert all("in main (app.py:" in line for line in running), error
+    # Hydra's last word: every rank's stack, whichever host it ran on
+    for rank in range(4):
+        assert f"rank {rank}'s stack when it was stopped:" in output, output
+    _nothing_left(hosts)
+
+
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
     text = "# comment\nworker-1 slots=4\nworker-2\n  worker-3 slots=8 # trailing\n"
     assert parse_hostfile(text, "hostfile") == [Host("worker-1", 4), Host("worker-2"), Host("worker-3", 8)]

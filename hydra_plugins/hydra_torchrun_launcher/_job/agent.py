@@ -323,6 +323,15 @@ def _on_deadline(job: AgentJob) -> Callable[[int, Any], None]:
     return handler
 
 
+def _until_deadline(plan: JobPlan, timeout: float) -> float:
+    """Seconds until the job's deadline: the one its nodes share where it has one (never
+    more than job_timeout, whatever this host's clock says), else job_timeout from now. A
+    deadline already past fires at once (a timer of 0 would be none)."""
+    if plan.deadline is None:
+        return timeout
+    return min(timeout, max(plan.deadline - time.time(), 0.001))
+
+
 def _caught_signals(pid: int) -> Optional[int]:
     """The mask of the signals `pid` catches (/proc/<pid>/status SigCgt); None if unknown."""
     try:
@@ -390,7 +399,7 @@ def _run_agent(job: AgentJob) -> Any:
     failure: Optional[BaseException] = None
     if conf.job_timeout is not None:
         signal.signal(signal.SIGALRM, _on_deadline(job))
-        signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
+        signal.setitimer(signal.ITIMER_REAL, _until_deadline(job.plan, conf.job_timeout))
     try:
         with stops_interrupt():
             preempt.agent_starting(str(job.private_dir / "stop"))
@@ -406,7 +415,7 @@ def _run_agent(job: AgentJob) -> Any:
         # a node that never came (or left): one line, not torch's traceback of its agent
         failure = job_failed(_rendezvous_failed(job.plan, e))
     except JobDeadline:
-        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir)
+        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir, job.plan.host)
     except preempt.StopTimeout:
         failure = preempt.timed_out()
     finally:

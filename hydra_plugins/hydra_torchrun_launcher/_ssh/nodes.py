@@ -25,11 +25,18 @@ class NoCallbacks:
 
 
 def node_request(
-    first: bytes, node: int, environ: Dict[str, str], devices: Optional[List[str]], host: str
+    first: bytes,
+    node: int,
+    environ: Dict[str, str],
+    devices: Optional[List[str]],
+    host: str,
+    deadline: Optional[float],
 ) -> bytes:
-    """Node `node`'s request, on `host`, from the job's first node's (`first`, encoded)."""
+    """Node `node`'s request, on `host`, from the job's first node's (`first`, encoded); the
+    job's deadline in the host's clock."""
     request = decode_request(first)
     plan = request.plan
+    plan.deadline = deadline
     conf = dataclasses.replace(plan.settings.conf, node_rank=node)
     plan.settings = dataclasses.replace(plan.settings, conf=conf)
     plan.node_slot = node

@@ -34,7 +34,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from .._job.failure_report import JobFailedError
+from .._job.failure_report import JobFailedError, JobPastDeadline, merged_deadline
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
@@ -357,12 +357,19 @@ class _Sweep:
             for state in hosts
         ]
         first = dataclasses.replace(plan, host=hosts[0].host.name)
+        # one deadline for the job's nodes, in each host's clock: they stop their ranks together,
+        # each naming its own still running (a node that stopped its ranks first would have
+        # the others' fail in a collective before their own job_timeout came)
+        timeout = plan.settings.conf.job_timeout
+        ends = time.time() + timeout if timeout is not None and len(hosts) > 1 else None
+        deadlines = [None if ends is None else ends + state.agent.clock_offset for state in hosts]
         if len(hosts) > 1:
             run = f"ssh-{self.run_tag}-{plan.idx}"
             endpoint = f"{hosts[0].agent.hostname}:{derived_port(run)}"
             conf = dataclasses.replace(plan.settings.conf, node_rank=0, rdzv_endpoint=endpoint)
             first = dataclasses.replace(
                 first,
+                deadline=deadlines[0],
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
@@ -378,7 +385,9 @@ class _Sweep:
             node_bytes = (
                 request
                 if node == 0
-                else node_request(request, node, environs[node], devices[node], state.host.name)
+                else node_request(
+                    request, node, environs[node], devices[node], state.host.name, deadlines[node]
+                )
             )
             sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
             if not sent:  # lost as the job started: its loss fails the job when seen
@@ -429,8 +438,10 @@ class _Sweep:
         if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
             if running.failed is None:
                 running.failed = (node, job_return)
-                # the job's other nodes would wait for the failed rank in a collective
-                self._signal_job(running, signal.SIGTERM)
+                # the job's other nodes would wait for the failed rank in a collective; past
+                # the deadline they share, they are stopping their ranks themselves
+                if not isinstance(value, JobPastDeadline):
+                    self._signal_job(running, signal.SIGTERM)
         if running.open_nodes:
             return
         del self.running[running.plan.idx]
@@ -471,12 +482,21 @@ def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> P
 
 
 def _job_return(running: _Running) -> JobReturn:
-    """The job's JobReturn: its first node's, with the error of the node that failed first."""
+    """The job's JobReturn: its first node's, with the error of the node that failed first;
+    past its job_timeout, with every node's ranks still running then (each node names its own)."""
     first = running.returns.get(0)
     if running.failed is None:
         assert first is not None
         return first
     node, failed = running.failed
+    past = [
+        r._return_value
+        for _, r in sorted(running.returns.items())
+        if isinstance(r._return_value, JobPastDeadline)
+    ]
+    if isinstance(failed._return_value, JobPastDeadline) and len(past) > 1:
+        failed = dataclasses.replace(failed)  # without the one node's account
+        failed.return_value = merged_deadline(past)
     if node == 0 or first is None:
         return failed
     job_return = dataclasses.replace(first, status=JobStatus.FAILED)
