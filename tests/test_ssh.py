@@ -10,6 +10,7 @@ where hosts cannot run (not root, no sshd) and fail there under REQUIRE_SLURM=1 
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -533,6 +534,55 @@ def test_a_two_host_job_past_job_timeout_names_the_ranks_still_running_on_both_h
     # Hydra's last word: every rank's stack, whichever host it ran on
     for rank in range(4):
         assert f"rank {rank}'s stack when it was stopped:" in output, output
+    _nothing_left(hosts)
+
+
+def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_completed_ended(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """A SIGTERM (a scheduler's, a `kill`) after the last job ended, while the head closes its
+    agents: the head said "the sweep was stopped while no job of it was running", printed no
+    table, and recorded the sweep as interrupted, so `torchrun-sweep status` called a sweep
+    whose every job completed "unfinished" (a user's break-it pass: 3 runs in 4). The sweep
+    ended: its table, its record ended, and the status of a process a SIGTERM ended (143), as
+    the local launcher's when the signal comes as it ends. The signal comes at that moment
+    every time: the hosts' interpreter is a wrapper whose agent, once the head has closed its
+    session, sends it before the session ends (the head waits for that end)."""
+    wrapper = app_dir / "python_then_sigterm"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'{shlex.quote(sys.executable)} "$@"\n'
+        "status=$?\n"
+        # the first agent to end only: a second SIGTERM would be the user's insisting one
+        'if mkdir sigterm_sent 2>/dev/null; then kill -TERM "$(cat head.pid)"; fi\n'
+        'exit "$status"\n'
+    )
+    wrapper.chmod(0o755)
+    head = _start(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        f"hydra.launcher.python={wrapper}",
+        "x=1,2",
+    )
+    (app_dir / "head.pid").write_text(str(head.pid))
+    try:
+        output, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    assert (app_dir / "sigterm_sent").is_dir(), output
+    assert [job["status"] for job in _summary(app_dir).values()] == ["COMPLETED", "COMPLETED"], output
+    assert "while no job of it was running" not in output, output
+    assert "SIGTERM: every job of the sweep had ended; the launcher ends after its table" in output, output
+    assert "2 jobs: 2 completed (summary: sweep/sweep_summary.json)" in output, output
+    assert head.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output, output
+    tool = Path(sys.executable).parent / "torchrun-sweep"
+    shown = subprocess.run(
+        [str(tool), "status", "sweep"], cwd=app_dir, capture_output=True, text=True, timeout=60
+    )
+    assert shown.stdout.splitlines()[0].endswith(", ended"), shown.stdout
     _nothing_left(hosts)
 
 
