@@ -586,6 +586,52 @@ def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_comple
     _nothing_left(hosts)
 
 
+def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir: Path) -> None:
+    """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
+    torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
+    rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
+    run on each host, which the installed torchrun takes. Nothing starts: no host is asked."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "--multirun",
+            "hydra/launcher=torchrun_ssh",
+            "hydra.sweep.dir=sweep",
+            "hydra.launcher.hosts=[host1,host2]",
+            "hydra.launcher.nodes=${x}",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.launcher.dry_run=true",
+            "x=2,1",
+        ],
+        cwd=app_dir,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert not (app_dir / "sweep" / "0").exists(), output
+    hosts = [line.strip() for line in output.splitlines() if line.strip().startswith("hosts:")]
+    assert hosts == [
+        "hosts:      host1, host2",
+        "hosts:      1 of host1, host2: the first free when the job starts",
+    ]
+    rendezvous = [line.strip() for line in output.splitlines() if line.strip().startswith("rendezvous:")]
+    assert rendezvous[0].startswith("rendezvous: c10d on the job's first host (FIRST_HOST)"), output
+    assert rendezvous[1].startswith("rendezvous: c10d at localhost:0 on its host"), output
+    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("torchrun:")]
+    assert lines[0].startswith("torchrun:   on each of its hosts: cd "), output
+    assert lines[1].startswith("torchrun:   on its host: cd "), output
+    from torch.distributed.run import parse_args
+
+    for line, nnodes, endpoint in zip(lines, ("2", "1"), ("FIRST_HOST:PORT", "localhost:0")):
+        words = shlex.split(line.split(": ", 2)[2].split(" && ", 1)[1])
+        args = parse_args(words[words.index("torchrun") + 1 :])
+        assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == (nnodes, "2", "c10d"), line
+        assert args.rdzv_endpoint == endpoint and args.training_script == "app.py", line
+
+
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
     text = "# comment\nworker-1 slots=4\nworker-2\n  worker-3 slots=8 # trailing\n"
     assert parse_hostfile(text, "hostfile") == [Host("worker-1", 4), Host("worker-2"), Host("worker-3", 8)]

@@ -40,6 +40,7 @@ from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
+from .._launcher.reproduce import plain_torchrun_line
 from .._launcher.runner import JobEvents, JobFeed, Placement
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -120,13 +121,31 @@ class SshRunner:
         for plan in plans:
             options = self.options[plan.idx]
             conf = plan.settings.conf
+            rdzv = plan.rendezvous
+            if options.nodes > 1:
+                # as `_start` places it: c10d on the job's first host, a port derived when it starts
+                endpoint = "FIRST_HOST:PORT"
+                plan = dataclasses.replace(
+                    plan,
+                    settings=dataclasses.replace(
+                        plan.settings, conf=dataclasses.replace(conf, rdzv_endpoint=endpoint)
+                    ),
+                    rendezvous=Rendezvous("c10d", endpoint, rdzv.run_id, rdzv.configs),
+                )
+                where = "c10d on the job's first host (FIRST_HOST), on a port derived when it starts (PORT)"
+            else:
+                where = f"{rdzv.backend} at {rdzv.endpoint} on its host (a free port when the job starts)"
+            line, missing = plain_torchrun_line(plan, configs[plan.idx], None)
             lines += [
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
-                *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
-                f"\t\tjob dir: {plan.output_dir}",
-                f"\t\tranks:   {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
-                f"x {options.nodes} host(s), {conf.start_method}"
-                + (", c10d rendezvous on the job's first host" if options.nodes > 1 else ""),
+                *([f"\t\trecord:     {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
+                f"\t\tjob dir:    {plan.output_dir}",
+                f"\t\tranks:      {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
+                f"x {options.nodes} host(s), {conf.start_method}",
+                f"\t\thosts:      {_which_hosts(options)}",
+                f"\t\trendezvous: {where}, id {plan.rendezvous.run_id}",
+                f"\t\ttorchrun:   on {'each of its hosts' if options.nodes > 1 else 'its host'}: {line}",
+                *([f"\t\t            (it cannot express: {'; '.join(missing)})"] if missing else []),
             ]
         return "\n".join(lines)
 
@@ -157,6 +176,14 @@ class SshRunner:
 
     def stopped_words(self) -> str:
         return self.stopped
+
+
+def _which_hosts(options: SshOptions) -> str:
+    """The hosts a job runs on, as far as a dry run can tell: jobs take the first free ones."""
+    names = [h.name for h in options.hosts]
+    if options.nodes == len(names):
+        return ", ".join(names)
+    return f"{options.nodes} of {', '.join(names)}: the first free when the job starts"
 
 
 def _at_once(options: SshOptions) -> int:
