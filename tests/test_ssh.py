@@ -586,6 +586,42 @@ def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_comple
     _nothing_left(hosts)
 
 
+def test_the_ranks_of_a_two_host_job_are_told_apart_on_the_console_by_their_host(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """Plain torchrun prefixes each rank's line with its role and local rank (`[default0]:`,
+    its log_line_prefix_template default), the same on every node: each node's torchrun
+    prints on a terminal of its own. On the head's one console, rank 0 on host1 and rank 2 on
+    host2 both said `[#0 default0]:`; each line now says its host before torchrun's prefix."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    said = [line for line in output.splitlines() if "/4 on host" in line and line.endswith(" x=1")]
+    assert len(said) == 4, output
+    prefixes = {}
+    for line in said:
+        prefix, text = line.split("]:", 1)
+        rank, host = text.split()[1].split("/")[0], text.split()[3]
+        prefixes[int(rank)] = prefix + "]:"
+        assert prefix.startswith(f"[#0 {host} default"), output
+    assert len(set(prefixes.values())) == 4, prefixes
+    # torchrun's own words after the host: its role and the rank's local rank, 0 and 1 on each host
+    assert sorted(p.split()[-1] for p in prefixes.values()) == [
+        "default0]:",
+        "default0]:",
+        "default1]:",
+        "default1]:",
+    ]
+    _nothing_left(hosts)
+
+
 def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir: Path) -> None:
     """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
     torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its

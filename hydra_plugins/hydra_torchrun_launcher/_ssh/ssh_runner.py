@@ -383,7 +383,9 @@ class _Sweep:
             {**state.agent.ready["environ"], **forwarded(options.env_forward, plan.env_set, os.environ)}  # type: ignore[index]
             for state in hosts
         ]
-        first = dataclasses.replace(plan, host=hosts[0].host.name)
+        first = dataclasses.replace(
+            plan, host=hosts[0].host.name, console_label=_label(plan, hosts[0].host.name)
+        )
         # one deadline for the job's nodes, in each host's clock: they stop their ranks together,
         # each naming its own still running (a node that stopped its ranks first would have
         # the others' fail in a collective before their own job_timeout came)
@@ -413,7 +415,13 @@ class _Sweep:
                 request
                 if node == 0
                 else node_request(
-                    request, node, environs[node], devices[node], state.host.name, deadlines[node]
+                    request,
+                    node,
+                    environs[node],
+                    devices[node],
+                    state.host.name,
+                    deadlines[node],
+                    _label(plan, state.host.name),
                 )
             )
             sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
@@ -488,6 +496,16 @@ class _Sweep:
         for state in self.hosts:
             state.agent.close()
         self.selector.close()
+
+
+def _label(plan: JobPlan, host: str) -> str:
+    """What a node's rank lines start with on the head's console: torchrun's own prefix
+    (`[default0]:`, its role and local rank) says the same on every host, as each node's
+    torchrun prints it on its own terminal; in the one console of a multi-host job, the host
+    comes before it (`[#0 host2 default0]:`), as pdsh puts each line's host first."""
+    if plan.settings.max_nodes <= 1:
+        return plan.console_label
+    return f"{plan.console_label or f'#{plan.idx} '}{host} "
 
 
 def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> Placement:
