@@ -875,3 +875,27 @@ def test_what_only_a_host_can_tell_is_refused_by_its_job_naming_the_host_and_the
     assert first.startswith("hydra.launcher.nproc_per_node='gpu' is invalid on host host"), job["error"]
     assert "Cuda is not available" in first, job["error"]
     _nothing_left(hosts)
+
+
+def test_numa_binding_is_decided_on_each_host_naming_the_host(hosts: SshHosts, app_dir: Path) -> None:
+    """`numa_binding` binds each rank to its GPU's NUMA node: the GPUs and numactl it needs
+    are the host's, as launch_prefix's program is. The head refused it by its own torch and
+    PATH before asking any host (`is invalid here: ... not built with CUDA`); the host now
+    decides, and refuses its job in one line naming the key and the host, before any rank."""
+    import torch
+
+    if torch.backends.cuda.is_built() and torch.cuda.device_count() and shutil.which("numactl"):
+        pytest.skip("these hosts can bind ranks to NUMA nodes: nothing to refuse")
+    result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1]", "hydra.launcher.numa_binding=node", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "is invalid here" not in output, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    first = job["error"].splitlines()[0]
+    key = "hydra.launcher.numa_binding='node'"
+    assert first.startswith(f"{key} is invalid on host host1: it binds each rank to its GPU's NUMA node"), (
+        first
+    )
+    assert "rank 0" not in output, output
+    _nothing_left(hosts)

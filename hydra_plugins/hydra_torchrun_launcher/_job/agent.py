@@ -58,7 +58,13 @@ from .failure_report import (
     job_failed,
     stops_interrupt,
 )
-from .launch_config import agent_environment, build_launch_config, launch_config_fields, local_world_size
+from .launch_config import (
+    agent_environment,
+    build_launch_config,
+    check_numa_binding,
+    launch_config_fields,
+    local_world_size,
+)
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -155,10 +161,14 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
 def _decide_on_this_host(plan: JobPlan) -> None:
     """What only this host can tell (`JobSettings.on_hosts`), decided here as torchrun decides
     it on each node: launch_prefix's program on this host's PATH, nproc_per_node's word
-    counted by this host's torch (its devices as this job sees them). Refused in one line
-    naming the key and the host."""
+    counted by this host's torch (its devices as this job sees them), numa_binding's GPUs and
+    numactl. Refused in one line naming the key and the host."""
     conf = plan.settings.conf
     where = f"on host {plan.host}" if plan.host else "on this host"
+    try:
+        check_numa_binding(plan.settings)
+    except LauncherConfigError as e:
+        raise job_failed(str(e).replace(" is invalid here: ", f" is invalid {where}: ", 1)) from None
     if conf.launch_prefix and shutil.which(str(conf.launch_prefix[0])) is None:
         raise job_failed(
             f"hydra.launcher.launch_prefix={conf.launch_prefix!r} is invalid {where}: "
