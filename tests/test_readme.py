@@ -146,7 +146,8 @@ _VARIABLE = [
     (re.compile(r"torchrun_logs/[^/\s]+/attempt"), "torchrun_logs/<run>/attempt"),
     (re.compile(r"\s+"), " "),  # table columns, tabs
 ]
-_RANK_PREFIX = re.compile(r"^\[(#\d+ )?[A-Za-z_]+\d+\]:")
+# a rank's prefix: its job's number when jobs overlap, its host in a torchrun_ssh job on several
+_RANK_PREFIX = re.compile(r"^\[(#\d+ )?([A-Za-z0-9_.-]+ )?[A-Za-z_]+\d+\]:")
 
 
 def normalised(line: str, project: Path) -> str:

@@ -10,6 +10,7 @@ where hosts cannot run (not root, no sshd) and fail there under REQUIRE_SLURM=1 
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -496,6 +497,177 @@ def test_the_readme_s_console_is_what_a_run_on_two_hosts_prints(tmp_path: Path) 
         _nothing_left(hosts)
 
 
+def test_a_two_host_job_past_job_timeout_names_the_ranks_still_running_on_both_hosts(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """docs/failures.md: past `job_timeout` "the ranks still running are named with where each
+    one was". Every rank of this 2-host job loops until stopped; the job's error named the
+    ranks of one host only (2 and 3 in one run, 0 and 1 in the next), the other host's
+    stacks showed on the console only. The local launcher names every rank of its node: the
+    job's nodes share one deadline, and its error names every node's ranks, each with its host."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.job_timeout=5",
+        "steps=100000",
+        "step_s=0.1",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    error = _summary(app_dir)[0]["error"]
+    assert error.startswith("the job ran past hydra.launcher.job_timeout=5s"), error
+    named = sorted(
+        int(line.split("still running: rank ")[1].split()[0])
+        for line in error.splitlines()
+        if "still running: rank " in line
+    )
+    assert named == [0, 1, 2, 3], error
+    running = [line for line in error.splitlines() if "still running: rank " in line]
+    assert sorted(line.split(" on ")[1].split(")")[0] for line in running) == ["host1"] * 2 + ["host2"] * 2, (
+        error
+    )
+    assert all("in main (app.py:" in line for line in running), error
+    # Hydra's last word: every rank's stack, whichever host it ran on
+    for rank in range(4):
+        assert f"rank {rank}'s stack when it was stopped:" in output, output
+    _nothing_left(hosts)
+
+
+def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_completed_ended(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """A SIGTERM (a scheduler's, a `kill`) after the last job ended, while the head closes its
+    agents: the head said "the sweep was stopped while no job of it was running", printed no
+    table, and recorded the sweep as interrupted, so `torchrun-sweep status` called a sweep
+    whose every job completed "unfinished" (a user's break-it pass: 3 runs in 4). The sweep
+    ended: its table, its record ended, and the status of a process a SIGTERM ended (143), as
+    the local launcher's when the signal comes as it ends. The signal comes at that moment
+    every time: the hosts' interpreter is a wrapper whose agent, once the head has closed its
+    session, sends it before the session ends (the head waits for that end)."""
+    wrapper = app_dir / "python_then_sigterm"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'{shlex.quote(sys.executable)} "$@"\n'
+        "status=$?\n"
+        # the first agent to end only: a second SIGTERM would be the user's insisting one
+        'if mkdir sigterm_sent 2>/dev/null; then kill -TERM "$(cat head.pid)"; fi\n'
+        'exit "$status"\n'
+    )
+    wrapper.chmod(0o755)
+    head = _start(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        f"hydra.launcher.python={wrapper}",
+        "x=1,2",
+    )
+    (app_dir / "head.pid").write_text(str(head.pid))
+    try:
+        output, _ = head.communicate(timeout=SWEEP_TIMEOUT_S)
+    finally:
+        _end(head)
+    assert (app_dir / "sigterm_sent").is_dir(), output
+    assert [job["status"] for job in _summary(app_dir).values()] == ["COMPLETED", "COMPLETED"], output
+    assert "while no job of it was running" not in output, output
+    assert "SIGTERM: every job of the sweep had ended; the launcher ends after its table" in output, output
+    assert "2 jobs: 2 completed (summary: sweep/sweep_summary.json)" in output, output
+    assert head.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output, output
+    tool = Path(sys.executable).parent / "torchrun-sweep"
+    shown = subprocess.run(
+        [str(tool), "status", "sweep"], cwd=app_dir, capture_output=True, text=True, timeout=60
+    )
+    assert shown.stdout.splitlines()[0].endswith(", ended"), shown.stdout
+    _nothing_left(hosts)
+
+
+def test_the_ranks_of_a_two_host_job_are_told_apart_on_the_console_by_their_host(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """Plain torchrun prefixes each rank's line with its role and local rank (`[default0]:`,
+    its log_line_prefix_template default), the same on every node: each node's torchrun
+    prints on a terminal of its own. On the head's one console, rank 0 on host1 and rank 2 on
+    host2 both said `[#0 default0]:`; each line now says its host before torchrun's prefix."""
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1,host2]",
+        "hydra.launcher.nodes=2",
+        "hydra.launcher.nproc_per_node=2",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    said = [line for line in output.splitlines() if "/4 on host" in line and line.endswith(" x=1")]
+    assert len(said) == 4, output
+    prefixes = {}
+    for line in said:
+        prefix, text = line.split("]:", 1)
+        rank, host = text.split()[1].split("/")[0], text.split()[3]
+        prefixes[int(rank)] = prefix + "]:"
+        assert prefix.startswith(f"[#0 {host} default"), output
+    assert len(set(prefixes.values())) == 4, prefixes
+    # torchrun's own words after the host: its role and the rank's local rank, 0 and 1 on each host
+    assert sorted(p.split()[-1] for p in prefixes.values()) == [
+        "default0]:",
+        "default0]:",
+        "default1]:",
+        "default1]:",
+    ]
+    _nothing_left(hosts)
+
+
+def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir: Path) -> None:
+    """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
+    torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
+    rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
+    run on each host, which the installed torchrun takes. Nothing starts: no host is asked."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "app.py",
+            "--multirun",
+            "hydra/launcher=torchrun_ssh",
+            "hydra.sweep.dir=sweep",
+            "hydra.launcher.hosts=[host1,host2]",
+            "hydra.launcher.nodes=${x}",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.launcher.dry_run=true",
+            "x=2,1",
+        ],
+        cwd=app_dir,
+        capture_output=True,
+        text=True,
+        timeout=SWEEP_TIMEOUT_S,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert not (app_dir / "sweep" / "0").exists(), output
+    hosts = [line.strip() for line in output.splitlines() if line.strip().startswith("hosts:")]
+    assert hosts == [
+        "hosts:      host1, host2",
+        "hosts:      1 of host1, host2: the first free when the job starts",
+    ]
+    rendezvous = [line.strip() for line in output.splitlines() if line.strip().startswith("rendezvous:")]
+    assert rendezvous[0].startswith("rendezvous: c10d on the job's first host (FIRST_HOST)"), output
+    assert rendezvous[1].startswith("rendezvous: c10d at localhost:0 on its host"), output
+    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("torchrun:")]
+    assert lines[0].startswith("torchrun:   on each of its hosts: cd "), output
+    assert lines[1].startswith("torchrun:   on its host: cd "), output
+    from torch.distributed.run import parse_args
+
+    for line, nnodes, endpoint in zip(lines, ("2", "1"), ("FIRST_HOST:PORT", "localhost:0")):
+        words = shlex.split(line.split(": ", 2)[2].split(" && ", 1)[1])
+        args = parse_args(words[words.index("torchrun") + 1 :])
+        assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == (nnodes, "2", "c10d"), line
+        assert args.rdzv_endpoint == endpoint and args.training_script == "app.py", line
+
+
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
     text = "# comment\nworker-1 slots=4\nworker-2\n  worker-3 slots=8 # trailing\n"
     assert parse_hostfile(text, "hostfile") == [Host("worker-1", 4), Host("worker-2"), Host("worker-3", 8)]
@@ -702,4 +874,28 @@ def test_what_only_a_host_can_tell_is_refused_by_its_job_naming_the_host_and_the
     first = job["error"].splitlines()[0]
     assert first.startswith("hydra.launcher.nproc_per_node='gpu' is invalid on host host"), job["error"]
     assert "Cuda is not available" in first, job["error"]
+    _nothing_left(hosts)
+
+
+def test_numa_binding_is_decided_on_each_host_naming_the_host(hosts: SshHosts, app_dir: Path) -> None:
+    """`numa_binding` binds each rank to its GPU's NUMA node: the GPUs and numactl it needs
+    are the host's, as launch_prefix's program is. The head refused it by its own torch and
+    PATH before asking any host (`is invalid here: ... not built with CUDA`); the host now
+    decides, and refuses its job in one line naming the key and the host, before any rank."""
+    import torch
+
+    if torch.backends.cuda.is_built() and torch.cuda.device_count() and shutil.which("numactl"):
+        pytest.skip("these hosts can bind ranks to NUMA nodes: nothing to refuse")
+    result = _sweep(hosts, app_dir, "hydra.launcher.hosts=[host1]", "hydra.launcher.numa_binding=node", "x=1")
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "is invalid here" not in output, output
+    (job,) = _summary(app_dir).values()
+    assert job["status"] == "FAILED", output
+    first = job["error"].splitlines()[0]
+    key = "hydra.launcher.numa_binding='node'"
+    assert first.startswith(f"{key} is invalid on host host1: it binds each rank to its GPU's NUMA node"), (
+        first
+    )
+    assert "rank 0" not in output, output
     _nothing_left(hosts)

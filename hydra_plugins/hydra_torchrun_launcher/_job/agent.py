@@ -58,7 +58,13 @@ from .failure_report import (
     job_failed,
     stops_interrupt,
 )
-from .launch_config import agent_environment, build_launch_config, launch_config_fields, local_world_size
+from .launch_config import (
+    agent_environment,
+    build_launch_config,
+    check_numa_binding,
+    launch_config_fields,
+    local_world_size,
+)
 from .node_exit import keep_rendezvous_handlers, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
@@ -155,10 +161,14 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
 def _decide_on_this_host(plan: JobPlan) -> None:
     """What only this host can tell (`JobSettings.on_hosts`), decided here as torchrun decides
     it on each node: launch_prefix's program on this host's PATH, nproc_per_node's word
-    counted by this host's torch (its devices as this job sees them). Refused in one line
-    naming the key and the host."""
+    counted by this host's torch (its devices as this job sees them), numa_binding's GPUs and
+    numactl. Refused in one line naming the key and the host."""
     conf = plan.settings.conf
     where = f"on host {plan.host}" if plan.host else "on this host"
+    try:
+        check_numa_binding(plan.settings)
+    except LauncherConfigError as e:
+        raise job_failed(str(e).replace(" is invalid here: ", f" is invalid {where}: ", 1)) from None
     if conf.launch_prefix and shutil.which(str(conf.launch_prefix[0])) is None:
         raise job_failed(
             f"hydra.launcher.launch_prefix={conf.launch_prefix!r} is invalid {where}: "
@@ -323,6 +333,15 @@ def _on_deadline(job: AgentJob) -> Callable[[int, Any], None]:
     return handler
 
 
+def _until_deadline(plan: JobPlan, timeout: float) -> float:
+    """Seconds until the job's deadline: the one its nodes share where it has one (never
+    more than job_timeout, whatever this host's clock says), else job_timeout from now. A
+    deadline already past fires at once (a timer of 0 would be none)."""
+    if plan.deadline is None:
+        return timeout
+    return min(timeout, max(plan.deadline - time.time(), 0.001))
+
+
 def _caught_signals(pid: int) -> Optional[int]:
     """The mask of the signals `pid` catches (/proc/<pid>/status SigCgt); None if unknown."""
     try:
@@ -390,7 +409,7 @@ def _run_agent(job: AgentJob) -> Any:
     failure: Optional[BaseException] = None
     if conf.job_timeout is not None:
         signal.signal(signal.SIGALRM, _on_deadline(job))
-        signal.setitimer(signal.ITIMER_REAL, conf.job_timeout)
+        signal.setitimer(signal.ITIMER_REAL, _until_deadline(job.plan, conf.job_timeout))
     try:
         with stops_interrupt():
             preempt.agent_starting(str(job.private_dir / "stop"))
@@ -406,7 +425,7 @@ def _run_agent(job: AgentJob) -> Any:
         # a node that never came (or left): one line, not torch's traceback of its agent
         failure = job_failed(_rendezvous_failed(job.plan, e))
     except JobDeadline:
-        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir)
+        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir, job.plan.host)
     except preempt.StopTimeout:
         failure = preempt.timed_out()
     finally:

@@ -85,6 +85,11 @@ class JobFailedError(CompactHydraException, RuntimeError):
         return f"{self.message}\n{self.tail}" if self.tail else self.message
 
 
+class JobPastDeadline(JobFailedError):
+    """A job stopped at its `job_timeout`: its message names the ranks still running then
+    (`deadline_report`), and the reports of a job's nodes make one (`merged_deadline`)."""
+
+
 class JobStopped(JobFailedError):
     """A job ended by a stop signal (Ctrl-C, SIGTERM) before anything of its own failed:
     the launcher records it STOPPED (it runs again when the sweep resumes)."""
@@ -494,14 +499,15 @@ def job_error(
     return told(with_summary(rank_error, summary, "\n".join([headline, *rest])), summary)
 
 
-def job_failed(message: str, stopped: bool = False, details: str = "", tail: str = "") -> JobFailedError:
+def job_failed(
+    message: str, stopped: bool = False, details: str = "", tail: str = "", kind: type = JobFailedError
+) -> JobFailedError:
     """A failure of the job itself (its deadline, its rendezvous; a stop: `stopped`), told;
     a stop that came after a first cause of the job's own is said after it."""
     after = None if stopped else stop_after()
     if after:
         message = f"{message}\n{after}"
-    kind = JobStopped if stopped else JobFailedError
-    error = kind(message, details, tail)
+    error = (JobStopped if stopped else kind)(message, details, tail)
     told(error, message, stopped)
     return error
 
@@ -608,10 +614,14 @@ class LiveRankReport:
     dump_end: int = 0  # the size of its stderr once its stack was written
 
 
-def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Optional[str]) -> JobFailedError:
+def deadline_report(
+    timeout: float, live: List[LiveRankReport], launch_dir: Optional[str], host: Optional[str] = None
+) -> JobFailedError:
     """The job's error past `job_timeout`: the ranks still running then and where each one was
-    (the account), and, for Hydra's last word, each one's last lines and its stack."""
+    (the account), and, for Hydra's last word, each one's last lines and its stack. On a host
+    of its own (`torchrun_ssh`), a rank's pid says which host it is a pid of."""
     lines = [f"the job ran past hydra.launcher.job_timeout={timeout:g}s; its ranks were stopped"]
+    on = f" on {host}" if host else ""
     tail: List[str] = []
     for report in live:
         rank = report.rank
@@ -621,7 +631,7 @@ def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Opti
             else []
         )
         stack, where = _stack(dump)
-        said = f"still running: rank {rank.rank} (local_rank {rank.local_rank}, pid {rank.pid})"
+        said = f"still running: rank {rank.rank} (local_rank {rank.local_rank}, pid {rank.pid}{on})"
         lines.append(f"{said} {where}" if where else said)
         if report.stderr is not None and report.stderr.is_file():
             lines.append(f"its output: {shown_path(str(report.stderr), launch_dir)}")
@@ -637,4 +647,14 @@ def deadline_report(timeout: float, live: List[LiveRankReport], launch_dir: Opti
         elif not report.dumped:
             unknown = "not known (a launch prefix or a program not Python runs there)"
             tail.append(f"{name}'s stack: {unknown}")
-    return job_failed("\n".join(lines), tail="\n".join(tail))
+    return job_failed("\n".join(lines), tail="\n".join(tail), kind=JobPastDeadline)
+
+
+def merged_deadline(reports: List[JobPastDeadline]) -> JobPastDeadline:
+    """One error for a multi-node job past its `job_timeout`, from each node's report (each
+    names only its own node's ranks): the first's heading, then every node's ranks and their
+    lines, node by node, as the local launcher names every rank of its one node."""
+    first, *_ = [report.message.splitlines() for report in reports]
+    lines = first[:1] + [line for report in reports for line in report.message.splitlines()[1:]]
+    tails = [report.tail for report in reports if report.tail]
+    return JobPastDeadline("\n".join(lines), tail="\n".join(tails))

@@ -110,7 +110,8 @@ def check_supported(settings: JobSettings) -> None:
                 f"hydra.launcher.{key}={value!r} is not supported by the installed torch "
                 f"{torch.__version__}; leave it at its default or upgrade torch"
             )
-    _check_numa_binding(settings)
+    if not settings.on_hosts:  # else each host decides it (`_job.agent`): its GPUs, its numactl
+        check_numa_binding(settings)
     signals = settings.conf.signals_to_handle
     ignored = sorted(set(signals_named(signals)) - set(signals_named(not_ignored(signals))))
     if "signals_to_handle" not in have and ignored:
@@ -148,7 +149,7 @@ def _warn_once(field_name: str, broken: str) -> None:
         log.warning(f"torch {torch.__version__} has no LaunchConfig.{field_name}: {broken}")
 
 
-def _check_numa_binding(settings: JobSettings) -> None:
+def check_numa_binding(settings: JobSettings) -> None:
     """`numa_binding` binds each rank to the NUMA node of its GPU (torch.numa.binding), which
     needs a CUDA build of torch, a visible GPU and the `numactl` program: without them every
     rank would fail at start ("Torch not compiled with CUDA enabled"), so refuse it here."""

@@ -271,6 +271,7 @@ class _Launch:
             report.interrupted = True
             report.write()
             _end_preempted(self.notice, report.stop_summary(), sweep_dir, self.conf)
+        exit_if_stopped()  # a stop after every job had ended, as the runner let its processes go
         returns = {**self.returns, **ran}
         return [returns[job.idx] for job in self.jobs]
 

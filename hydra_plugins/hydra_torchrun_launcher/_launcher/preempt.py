@@ -170,6 +170,16 @@ class StopWhileNoJobRuns:
         if StopWhileNoJobRuns.stopped_by is None:
             StopWhileNoJobRuns.stopped_by = sig
             report = getattr(self.launcher, "report", None)
+            if report is not None and report.all_ended_untold():
+                # every job ended; the runner lets its processes go (a host's agent, the job
+                # pool): the sweep ended, its table comes, then the exit (`exit_if_stopped`)
+                print(
+                    f"[torchrun launcher] {sig.name}: every job of the sweep had ended; "
+                    "the launcher ends after its table",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return
             if report is not None:
                 report.interrupted = True
                 report.write()
@@ -181,7 +191,8 @@ class StopWhileNoJobRuns:
 def exit_if_stopped() -> None:
     """End the launch if a stop signal came while no job ran and its SystemExit did not end
     it (it was raised inside a finalizer, which Python prints and drops): no job starts after
-    the line that said the sweep was stopped."""
+    the line that said the sweep was stopped. After the table too: a stop that came once
+    every job had ended ends the launcher there."""
     sig = StopWhileNoJobRuns.stopped_by
     if sig is not None:
         raise SystemExit(128 + sig)

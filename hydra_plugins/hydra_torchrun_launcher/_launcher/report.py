@@ -127,6 +127,8 @@ class SweepReport:
         # of this batch: the jobs that run now (not from the record), and those that have ended
         self._to_run: List[int] = []
         self._ended: List[int] = []
+        # this batch's table has been shown: the launch is over
+        self._told = False
         # the record on disk: this run's journal (opened by its first event) and each job's row
         # as the summary shows it, a new dict at each event (so that a copy of `_rows` is a
         # snapshot another thread may write out while this one goes on)
@@ -158,6 +160,7 @@ class SweepReport:
         self._batch = [job.idx for job in jobs]
         self._to_run = [job.idx for job in jobs if job.idx not in done]
         self._ended = []
+        self._told = False
         for job in jobs:
             subdir = os.path.relpath(job.output_dir, self.sweep_dir) if job.output_dir is not None else ""
             if job.idx in done or job.idx in preempted:
@@ -366,9 +369,15 @@ class SweepReport:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
+    def all_ended_untold(self) -> bool:
+        """Whether every job of this batch has ended and its table is still to be shown: the
+        runner is only letting its processes go (a stop now does not interrupt the sweep)."""
+        return bool(self._batch) and not self._told and len(self._ended) >= len(self._to_run)
+
     def log_table(self) -> None:
         """The launch's end: the summary up to date, then the tally and the table (of a large
         launch: the jobs that did not complete; every job's row in TABLE_FILE)."""
+        self._told = True
         self._end_progress()
         self._rewrite_summary(now=True)
         counts: Dict[str, int] = {}

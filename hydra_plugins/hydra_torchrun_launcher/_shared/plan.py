@@ -111,6 +111,10 @@ class JobPlan:
     # the host this node runs on, as ssh knows it (`torchrun_ssh`): named where a setting of
     # the host's own is refused there
     host: Optional[str] = None
+    # when the job's job_timeout ends, as this node's clock reads it (time.time()), where its
+    # nodes start at different moments (`torchrun_ssh`): they all stop their ranks then, so
+    # every node's ranks are still running to be named; None: job_timeout from this node's start
+    deadline: Optional[float] = None
     # this launcher's node among the sweep's nodes that share its sweep dir (`_launcher.lock`);
     # node 0 keeps the sweep's record and the jobs' bookkeeping files
     node_slot: int = 0

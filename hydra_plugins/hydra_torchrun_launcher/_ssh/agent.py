@@ -79,7 +79,10 @@ class Agent:
         self.server = checked_warm_server(tuple(setup["preload"]), setup["varying"])
         # a head that stops reading (its connection lost) must not block this agent for good
         os.set_blocking(self.proto_out, False)
-        self._send(("ready", {"hostname": socket.gethostname(), "environ": dict(os.environ)}))
+        # its clock too: the head gives a multi-host job's nodes one deadline, in each host's clock
+        self._send(
+            ("ready", {"hostname": socket.gethostname(), "environ": dict(os.environ), "time": time.time()})
+        )
         self.heard = time.monotonic()
         self.selector.register(self.proto_in, selectors.EVENT_READ, "head")
         self.selector.register(self.output_r, selectors.EVENT_READ, "output")

@@ -86,8 +86,9 @@ class HostAgent:
         self.stdout = self.process.stdout.fileno()
         self.stderr = self.process.stderr.fileno()
         self.reader = Reader(after=AGENT_HELLO)
-        # what the agent said when ready: its hostname, its environment
+        # what the agent said when ready: its hostname, its environment, its clock
         self.ready: Optional[Dict[str, Any]] = None
+        self.clock_offset = 0.0
         # why the host is gone (ssh's reason), once it is
         self.lost: Optional[str] = None
         self.out = _Lines(sys.stdout.buffer)
@@ -133,6 +134,8 @@ class HostAgent:
                 continue
             elif message[0] == "ready":
                 self.ready = message[1]
+                # how far the host's clock is ahead of the head's (its message's transit aside)
+                self.clock_offset = float(self.ready.get("time", time.time())) - time.time()
                 for chunk in self.early_err:
                     self.err.write(chunk)
                 self.early_err.clear()

@@ -25,11 +25,20 @@ class NoCallbacks:
 
 
 def node_request(
-    first: bytes, node: int, environ: Dict[str, str], devices: Optional[List[str]], host: str
+    first: bytes,
+    node: int,
+    environ: Dict[str, str],
+    devices: Optional[List[str]],
+    host: str,
+    deadline: Optional[float],
+    console_label: str,
 ) -> bytes:
-    """Node `node`'s request, on `host`, from the job's first node's (`first`, encoded)."""
+    """Node `node`'s request, on `host`, from the job's first node's (`first`, encoded); the
+    job's deadline in the host's clock; what its ranks' lines start with on the head's console."""
     request = decode_request(first)
     plan = request.plan
+    plan.deadline = deadline
+    plan.console_label = console_label
     conf = dataclasses.replace(plan.settings.conf, node_rank=node)
     plan.settings = dataclasses.replace(plan.settings, conf=conf)
     plan.node_slot = node

@@ -34,12 +34,13 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from .._job.failure_report import JobFailedError
+from .._job.failure_report import JobFailedError, JobPastDeadline, merged_deadline
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
+from .._launcher.reproduce import plain_torchrun_line
 from .._launcher.runner import JobEvents, JobFeed, Placement
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -120,13 +121,31 @@ class SshRunner:
         for plan in plans:
             options = self.options[plan.idx]
             conf = plan.settings.conf
+            rdzv = plan.rendezvous
+            if options.nodes > 1:
+                # as `_start` places it: c10d on the job's first host, a port derived when it starts
+                endpoint = "FIRST_HOST:PORT"
+                plan = dataclasses.replace(
+                    plan,
+                    settings=dataclasses.replace(
+                        plan.settings, conf=dataclasses.replace(conf, rdzv_endpoint=endpoint)
+                    ),
+                    rendezvous=Rendezvous("c10d", endpoint, rdzv.run_id, rdzv.configs),
+                )
+                where = "c10d on the job's first host (FIRST_HOST), on a port derived when it starts (PORT)"
+            else:
+                where = f"{rdzv.backend} at {rdzv.endpoint} on its host (a free port when the job starts)"
+            line, missing = plain_torchrun_line(plan, configs[plan.idx], None)
             lines += [
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
-                *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
-                f"\t\tjob dir: {plan.output_dir}",
-                f"\t\tranks:   {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
-                f"x {options.nodes} host(s), {conf.start_method}"
-                + (", c10d rendezvous on the job's first host" if options.nodes > 1 else ""),
+                *([f"\t\trecord:     {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
+                f"\t\tjob dir:    {plan.output_dir}",
+                f"\t\tranks:      {plan.nproc or f'{conf.nproc_per_node} (counted on each host)'} per host "
+                f"x {options.nodes} host(s), {conf.start_method}",
+                f"\t\thosts:      {_which_hosts(options)}",
+                f"\t\trendezvous: {where}, id {plan.rendezvous.run_id}",
+                f"\t\ttorchrun:   on {'each of its hosts' if options.nodes > 1 else 'its host'}: {line}",
+                *([f"\t\t            (it cannot express: {'; '.join(missing)})"] if missing else []),
             ]
         return "\n".join(lines)
 
@@ -157,6 +176,14 @@ class SshRunner:
 
     def stopped_words(self) -> str:
         return self.stopped
+
+
+def _which_hosts(options: SshOptions) -> str:
+    """The hosts a job runs on, as far as a dry run can tell: jobs take the first free ones."""
+    names = [h.name for h in options.hosts]
+    if options.nodes == len(names):
+        return ", ".join(names)
+    return f"{options.nodes} of {', '.join(names)}: the first free when the job starts"
 
 
 def _at_once(options: SshOptions) -> int:
@@ -356,13 +383,22 @@ class _Sweep:
             {**state.agent.ready["environ"], **forwarded(options.env_forward, plan.env_set, os.environ)}  # type: ignore[index]
             for state in hosts
         ]
-        first = dataclasses.replace(plan, host=hosts[0].host.name)
+        first = dataclasses.replace(
+            plan, host=hosts[0].host.name, console_label=_label(plan, hosts[0].host.name)
+        )
+        # one deadline for the job's nodes, in each host's clock: they stop their ranks together,
+        # each naming its own still running (a node that stopped its ranks first would have
+        # the others' fail in a collective before their own job_timeout came)
+        timeout = plan.settings.conf.job_timeout
+        ends = time.time() + timeout if timeout is not None and len(hosts) > 1 else None
+        deadlines = [None if ends is None else ends + state.agent.clock_offset for state in hosts]
         if len(hosts) > 1:
             run = f"ssh-{self.run_tag}-{plan.idx}"
             endpoint = f"{hosts[0].agent.hostname}:{derived_port(run)}"
             conf = dataclasses.replace(plan.settings.conf, node_rank=0, rdzv_endpoint=endpoint)
             first = dataclasses.replace(
                 first,
+                deadline=deadlines[0],
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
@@ -378,7 +414,15 @@ class _Sweep:
             node_bytes = (
                 request
                 if node == 0
-                else node_request(request, node, environs[node], devices[node], state.host.name)
+                else node_request(
+                    request,
+                    node,
+                    environs[node],
+                    devices[node],
+                    state.host.name,
+                    deadlines[node],
+                    _label(plan, state.host.name),
+                )
             )
             sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
             if not sent:  # lost as the job started: its loss fails the job when seen
@@ -429,8 +473,10 @@ class _Sweep:
         if job_return.status == JobStatus.FAILED and not isinstance(value, JobPreempted):
             if running.failed is None:
                 running.failed = (node, job_return)
-                # the job's other nodes would wait for the failed rank in a collective
-                self._signal_job(running, signal.SIGTERM)
+                # the job's other nodes would wait for the failed rank in a collective; past
+                # the deadline they share, they are stopping their ranks themselves
+                if not isinstance(value, JobPastDeadline):
+                    self._signal_job(running, signal.SIGTERM)
         if running.open_nodes:
             return
         del self.running[running.plan.idx]
@@ -452,6 +498,16 @@ class _Sweep:
         self.selector.close()
 
 
+def _label(plan: JobPlan, host: str) -> str:
+    """What a node's rank lines start with on the head's console: torchrun's own prefix
+    (`[default0]:`, its role and local rank) says the same on every host, as each node's
+    torchrun prints it on its own terminal; in the one console of a multi-host job, the host
+    comes before it (`[#0 host2 default0]:`), as pdsh puts each line's host first."""
+    if plan.settings.max_nodes <= 1:
+        return plan.console_label
+    return f"{plan.console_label or f'#{plan.idx} '}{host} "
+
+
 def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> Placement:
     """The job's hosts, in order (its rendezvous on the first), for its rerun.sh: a one-job
     sweep on them, whatever hosts the sweep had; the devices it had on hosts with slots,
@@ -471,12 +527,21 @@ def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> P
 
 
 def _job_return(running: _Running) -> JobReturn:
-    """The job's JobReturn: its first node's, with the error of the node that failed first."""
+    """The job's JobReturn: its first node's, with the error of the node that failed first;
+    past its job_timeout, with every node's ranks still running then (each node names its own)."""
     first = running.returns.get(0)
     if running.failed is None:
         assert first is not None
         return first
     node, failed = running.failed
+    past = [
+        r._return_value
+        for _, r in sorted(running.returns.items())
+        if isinstance(r._return_value, JobPastDeadline)
+    ]
+    if isinstance(failed._return_value, JobPastDeadline) and len(past) > 1:
+        failed = dataclasses.replace(failed)  # without the one node's account
+        failed.return_value = merged_deadline(past)
     if node == 0 or first is None:
         return failed
     job_return = dataclasses.replace(first, status=JobStatus.FAILED)
