@@ -39,6 +39,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",
+            "pytest-xdist>=3",
             "psutil>=5",
             "ruff",
             "hydra-optuna-sweeper>=1.2.0",

@@ -158,7 +158,29 @@ _CLUSTER_FILES = frozenset(
 )
 
 
+# the files that take longest (minutes each, in this order), run first: the suite runs on
+# several workers a file each (pytest.ini: xdist's loadfile), and a long file that starts
+# last keeps one worker busy after the others are done. The other files keep their order.
+_LONGEST_FIRST = (
+    "test_slurm_detach.py",
+    "test_record.py",
+    "test_slurm_submit.py",
+    "test_ssh.py",
+    "test_preemption.py",
+    "test_parity.py",
+    "test_readme.py",
+    "test_faults.py",
+    "test_failure_reports.py",
+)
+
+
+def _file_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    items.sort(key=_file_rank)  # stable: a file's tests, and the other files, keep their order
     for item in items:
         uses_a_cluster = "cluster" in getattr(item, "fixturenames", ())
         if item.path.name in _CLUSTER_FILES or uses_a_cluster:

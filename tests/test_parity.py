@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -56,6 +57,18 @@ def installed_probe() -> Iterator[None]:
             shutil.rmtree(source / leftover, ignore_errors=True)
 
 
+@pytest.fixture
+def temp_dir() -> Iterator[Path]:
+    """The TMPDIR of both runs: a short path, as a user's is. multiprocessing puts its
+    sockets there (a spawn DataLoader's workers, in `pymp-*/listener-*`), and a socket path
+    of more than 107 bytes cannot be bound, under torchrun as under the launcher."""
+    path = Path(tempfile.mkdtemp(prefix="parity-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _install_app(tmp_path: Path) -> Path:
     app_dir = tmp_path / "app"
     shutil.copytree(APP_DIR, app_dir, ignore=shutil.ignore_patterns("__pycache__", "parity_pkg"))
@@ -70,13 +83,13 @@ def _records(out: Path) -> Dict[Tuple[int, int], Dict[str, Any]]:
     return records
 
 
-def _under_torchrun(app_dir: Path, out: Path) -> Dict[Tuple[int, int], Dict[str, Any]]:
+def _under_torchrun(app_dir: Path, out: Path, tmp: Path) -> Dict[Tuple[int, int], Dict[str, Any]]:
     """torchrun in the launcher's TMPDIR (`_under_the_launcher`, run first: torchrun leaves
     its own log dirs there)."""
     result = subprocess.run(
         [TORCHRUN, "--standalone", "--nproc-per-node=2", "app.py", f"out={out}", "x=1", "hydra.run.dir=run"],
         cwd=app_dir,
-        env=dict(_env(), TMPDIR=str(app_dir.parent / "tmp")),
+        env=dict(_env(), TMPDIR=str(tmp)),
         preexec_fn=as_from_a_terminal,
         capture_output=True,
         text=True,
@@ -86,10 +99,11 @@ def _under_torchrun(app_dir: Path, out: Path) -> Dict[Tuple[int, int], Dict[str,
     return _records(out)
 
 
-def _under_the_launcher(app_dir: Path, out: Path, *args: str) -> Dict[Tuple[int, int], Dict[str, Any]]:
+def _under_the_launcher(
+    app_dir: Path, out: Path, tmp: Path, *args: str
+) -> Dict[Tuple[int, int], Dict[str, Any]]:
     launch = ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "hydra.sweep.dir=sweep"]
-    tmp = app_dir.parent / "tmp"
-    tmp.mkdir()
+    assert not list(tmp.iterdir())
     result = subprocess.run(
         [sys.executable, "app.py", *launch, f"out={out}", "x=1,2", *args],
         cwd=app_dir,
@@ -172,10 +186,12 @@ def _repeated_draws(records: Dict[Tuple[int, int], Dict[str, Any]]) -> List[str]
     ],
     ids=["forkserver", "spawn", "fork", "parallel_jobs", "launch_prefix"],
 )
-def test_a_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, installed_probe: None, how: List[str]) -> None:
+def test_a_rank_sees_what_a_torchrun_rank_sees(
+    tmp_path: Path, temp_dir: Path, installed_probe: None, how: List[str]
+) -> None:
     app_dir = _install_app(tmp_path)
-    ours = _under_the_launcher(app_dir, tmp_path / "launcher", *how)
-    theirs = _under_torchrun(app_dir, tmp_path / "torchrun")
+    ours = _under_the_launcher(app_dir, tmp_path / "launcher", temp_dir, *how)
+    theirs = _under_torchrun(app_dir, tmp_path / "torchrun", temp_dir)
     assert sorted(theirs) == [(0, 1), (1, 1)], theirs.keys()
     assert sorted(ours) == [(0, 1), (0, 2), (1, 1), (1, 2)], ours.keys()
 
@@ -216,19 +232,22 @@ def test_a_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, installed_probe: 
 SCRIPT_MODE_DELIBERATE = {"cwd", "hydra.output_dir", "hydra.cwd_is_output_dir"}
 
 
-def test_a_script_mode_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, installed_probe: None) -> None:
+def test_a_script_mode_rank_sees_what_a_torchrun_rank_sees(
+    tmp_path: Path, temp_dir: Path, installed_probe: None
+) -> None:
     """`training_script`: every rank runs the script itself, as a process of its own."""
     app_dir = _install_app(tmp_path)
     out = tmp_path / "script"
     ours = _under_the_launcher(
         app_dir,
         tmp_path / "launcher",
+        temp_dir,
         "hydra.launcher.training_script=app.py",
         f"hydra.launcher.training_script_args=['out={out}','x=${{x}}','hydra.run.dir=.']",
     )
     assert ours == {}  # the launching app's task runs in no rank: the script does
     ours = _records(out)
-    theirs = _under_torchrun(app_dir, tmp_path / "torchrun")
+    theirs = _under_torchrun(app_dir, tmp_path / "torchrun", temp_dir)
     assert sorted(ours) == [(0, 1), (0, 2), (1, 1), (1, 2)], ours.keys()
     for rank in (0, 1):
         found = [
@@ -248,10 +267,10 @@ def test_a_script_mode_rank_sees_what_a_torchrun_rank_sees(tmp_path: Path, insta
 
 
 def test_every_deliberate_difference_is_a_field_the_app_records(
-    tmp_path: Path, installed_probe: None
+    tmp_path: Path, temp_dir: Path, installed_probe: None
 ) -> None:
     """The list of deliberate differences names real fields (a renamed field would hide one)."""
     app_dir = _install_app(tmp_path)
-    ours = _under_the_launcher(app_dir, tmp_path / "launcher", "x=1")
+    ours = _under_the_launcher(app_dir, tmp_path / "launcher", temp_dir, "x=1")
     fields = set(_flat(next(iter(ours.values()))))
     assert set(DELIBERATE) <= fields, set(DELIBERATE) - fields
