@@ -10,7 +10,15 @@ torch) runs under Hydra's basic launcher and under `hydra/launcher=torchrun`
   basic launcher's tasks run inside it, this launcher's in processes of their own);
 - written: bytes the launching process wrote (/proc/<pid>/io wchar: the record, the console).
 
+With `--optuna TRIALS`, Hydra's Optuna sweeper then runs TRIALS trials of the same task in
+batches of `--optuna-batch` (its `n_jobs`: one `launch()` each) under both launchers. A
+sweeper that launches small batches pays the launcher's own cost of a launch again and again:
+what a launch costs beyond its jobs is this launcher's wall time, less the basic launcher's
+(the sweeper's own work, paid by both), less the time its jobs ran (each job's `duration_s`
+in `sweep_summary.json`), divided by the number of launches.
+
     python benchmarks/scale.py --jobs 100 300 1000 [--launchers basic torchrun] [--json out.json]
+    python benchmarks/scale.py --jobs --optuna 40 [--optuna-batch 2]
 """
 
 import argparse
@@ -39,18 +47,62 @@ def _proc_value(path: str, key: str) -> "int | None":
 
 
 def run(launcher: str, jobs: int, workdir: Path) -> Dict[str, Any]:
+    """One N-job grid sweep under `launcher`."""
     sweep_dir = workdir / f"{launcher}-{jobs}"
+    result = _timed(_argv(launcher, sweep_dir, [f"x=range(0,{jobs})"]), sweep_dir, workdir)
+    first = float((sweep_dir / "first_task_started").read_text())
+    return {
+        "launcher": launcher,
+        "jobs": jobs,
+        "first_task_s": round(first - result["started"], 2),
+        "sweep_s": result["wall_s"],
+        "per_job_s": round(result["wall_s"] / jobs, 3),
+        "peak_rss_mb": result["peak_rss_mb"],
+        "written_mb": result["written_mb"],
+    }
+
+
+def run_optuna(launcher: str, trials: int, batch: int, workdir: Path) -> Dict[str, Any]:
+    """Hydra's Optuna sweeper: `trials` trials, `batch` of them per launch()."""
+    sweep_dir = workdir / f"optuna-{launcher}-{trials}"
+    sweep = [
+        "hydra/sweeper=optuna",
+        f"hydra.sweeper.n_trials={trials}",
+        f"hydra.sweeper.n_jobs={batch}",
+        "x=range(0,1000)",
+    ]
+    result = _timed(_argv(launcher, sweep_dir, sweep), sweep_dir, workdir)
+    jobs_s = None
+    summary = sweep_dir / "sweep_summary.json"
+    if summary.exists():  # this launcher's record: how long each job ran
+        jobs_s = sum(row["duration_s"] or 0.0 for row in json.loads(summary.read_text())["jobs"])
+    return {
+        "launcher": launcher,
+        "trials": trials,
+        "batch": batch,
+        "sweep_s": result["wall_s"],
+        "jobs_s": jobs_s,
+        "peak_rss_mb": result["peak_rss_mb"],
+    }
+
+
+def _argv(launcher: str, sweep_dir: Path, sweep: List[str]) -> List[str]:
     argv = [
         sys.executable,
         str(APP),
         "--multirun",
         f"hydra/launcher={launcher}",
         f"hydra.sweep.dir={sweep_dir}",
-        f"x=range(0,{jobs})",
+        *sweep,
     ]
     if launcher == "torchrun":
         argv.append("hydra.launcher.nproc_per_node=1")
-    log = workdir / f"{launcher}-{jobs}.log"
+    return argv
+
+
+def _timed(argv: List[str], sweep_dir: Path, workdir: Path) -> Dict[str, Any]:
+    """Run the command to its end: its wall time, peak RSS and bytes written."""
+    log = workdir / f"{sweep_dir.name}.log"
     peak = {"rss_kb": 0, "wchar": 0}
     started = time.time()
     with open(log, "wb") as out:
@@ -73,13 +125,9 @@ def run(launcher: str, jobs: int, workdir: Path) -> Dict[str, Any]:
     ended = time.time()
     if code != 0:
         raise SystemExit(f"{' '.join(argv)} exited {code}; see {log}:\n{log.read_text()[-3000:]}")
-    first = float((sweep_dir / "first_task_started").read_text())
     return {
-        "launcher": launcher,
-        "jobs": jobs,
-        "first_task_s": round(first - started, 2),
-        "sweep_s": round(ended - started, 2),
-        "per_job_s": round((ended - started) / jobs, 3),
+        "started": started,
+        "wall_s": round(ended - started, 2),
         "peak_rss_mb": round(peak["rss_kb"] / 1024),
         "written_mb": round(peak["wchar"] / 1e6, 2),
     }
@@ -89,19 +137,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--jobs", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--jobs", type=int, nargs="*", default=[100, 300, 1000])
     parser.add_argument("--launchers", nargs="+", default=["basic", "torchrun"])
+    parser.add_argument("--optuna", type=int, metavar="TRIALS", help="also an Optuna sweep")
+    parser.add_argument("--optuna-batch", type=int, default=2, metavar="N_JOBS")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results: List[Dict[str, Any]] = []
+    optuna: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
         for jobs in args.jobs:
             for launcher in args.launchers:
                 result = run(launcher, jobs, Path(tmp))
                 results.append(result)
                 print(json.dumps(result), flush=True)
+        if args.optuna:
+            for launcher in args.launchers:
+                result = run_optuna(launcher, args.optuna, args.optuna_batch, Path(tmp))
+                optuna.append(result)
+                print(json.dumps(result), flush=True)
     header = ("N", "launcher", "first task", "sweep", "per job", "RSS", "written")
-    print("\n{:>5} {:<9} {:>10} {:>8} {:>8} {:>7} {:>8}".format(*header))
+    if results:
+        print("\n{:>5} {:<9} {:>10} {:>8} {:>8} {:>7} {:>8}".format(*header))
     for r in results:
         print(
             f"{r['jobs']:>5} {r['launcher']:<9} {r['first_task_s']:>9.1f}s {r['sweep_s']:>7.1f}s "
@@ -115,8 +172,26 @@ def main() -> None:
                 f"N={jobs}: torchrun/basic  first task {t['first_task_s'] / b['first_task_s']:.2f}x, "
                 f"sweep {t['sweep_s'] / b['sweep_s']:.2f}x, RSS +{t['peak_rss_mb'] - b['peak_rss_mb']} MB"
             )
+    _print_optuna(optuna)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"grid": results, "optuna": optuna}, indent=1))
+
+
+def _print_optuna(optuna: List[Dict[str, Any]]) -> None:
+    by = {r["launcher"]: r for r in optuna}
+    for r in optuna:
+        print(
+            f"optuna {r['trials']} trials, {r['batch']} a launch, {r['launcher']:<9} "
+            f"{r['sweep_s']:>7.1f}s  RSS {r['peak_rss_mb']}MB"
+        )
+    if "basic" in by and "torchrun" in by and by["torchrun"]["jobs_s"] is not None:
+        b, t = by["basic"], by["torchrun"]
+        launches = -(-t["trials"] // t["batch"])
+        beyond = (t["sweep_s"] - b["sweep_s"] - t["jobs_s"]) / launches
+        print(
+            f"optuna: torchrun/basic {t['sweep_s'] / b['sweep_s']:.2f}x; its jobs ran {t['jobs_s']:.1f}s; "
+            f"a launch() costs {beyond:.3f}s beyond its jobs ({launches} launches)"
+        )
 
 
 if __name__ == "__main__":
