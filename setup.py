@@ -39,7 +39,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout>=2",
-            "pytest-xdist>=3",
+            "pytest-xdist>=3.5",  # -n logical
             "psutil>=5",
             "ruff",
             "hydra-optuna-sweeper>=1.2.0",
