@@ -43,6 +43,7 @@ from .preempt import (
     end_preempted,
     exit_if_stopped,
     react_to_stop,
+    sigint_ends_the_exit,
 )
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
 from .reproduce import write_rerun_script
@@ -86,6 +87,15 @@ def launch(
     launcher: SweepLauncher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, runner: Runner
 ) -> Sequence[JobReturn]:
     """Run the sweep's jobs through `runner`; one JobReturn per job, in job order."""
+    try:
+        return _launch(launcher, job_overrides, initial_job_idx, runner)
+    finally:
+        sigint_ends_the_exit()  # before what the launch left to run at exit (its warm server's reaping)
+
+
+def _launch(
+    launcher: SweepLauncher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int, runner: Runner
+) -> Sequence[JobReturn]:
     exit_if_stopped()
     setup_globals()
     assert launcher.config is not None

@@ -18,6 +18,7 @@ import itertools
 import shutil
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
@@ -206,10 +207,29 @@ def handle_stops_while_no_job_runs(launcher: Any, callbacks: Any) -> None:
     signals = [sig for sig, default in defaults.items() if signal.getsignal(sig) == default]
     handling = _Handling(StopWhileNoJobRuns(launcher), signals)
     _release_at_sweep_end(handling, callbacks)
-    # a sweep that ends by an exception (a failed job, a preemption's exit) has no
-    # on_multirun_end: the defaults are back as the process exits, so a signal that comes
-    # while the interpreter shuts down ends it as before, not inside an atexit callback
-    atexit.register(handling.release)
+    sigint_ends_the_exit()
+
+
+def sigint_ends_the_exit() -> None:
+    """`_at_exit` as the newest atexit callback, so that it runs first as the process exits
+    (called again as each launch ends: what the launch registered runs after it)."""
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """The process exits: the handlers still installed (a sweep that ended by an exception,
+    a failed job or a preemption's exit, has no on_multirun_end) are released, and a Ctrl-C
+    from here on ends the process by SIGINT, the kernel's default (as SIGTERM's is). What
+    runs now are atexit callbacks (the warm server reaped, the app's libraries' own: torch's
+    take tens of ms), where Python prints and drops a KeyboardInterrupt and the process exits
+    0, as if nobody had pressed Ctrl-C: a shell's `sweep && next` would go on. Ended by
+    SIGINT, it exits as a Python program a KeyboardInterrupt ended does (130 to a shell)."""
+    for token in list(_INSTALLED):
+        _INSTALLED.pop(token).release()
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _release_at_sweep_end(installed: Any, callbacks: Any) -> None:

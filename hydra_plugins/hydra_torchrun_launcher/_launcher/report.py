@@ -376,8 +376,8 @@ class SweepReport:
 
     def log_table(self) -> None:
         """The launch's end: the summary up to date, then the tally and the table (of a large
-        launch: the jobs that did not complete; every job's row in TABLE_FILE)."""
-        self._told = True
+        launch: the jobs that did not complete; every job's row in TABLE_FILE). Told once the
+        table is out: a stop while it is written lets it end (`all_ended_untold`)."""
         self._end_progress()
         self._rewrite_summary(now=True)
         counts: Dict[str, int] = {}
@@ -402,6 +402,7 @@ class SweepReport:
         else:
             lines.append(self.table())
         log.info("\n".join(lines + every))
+        self._told = True
 
     def stop_summary(self) -> str:
         """One line after a stop: which jobs finished, which were stopped, where their logs are."""
