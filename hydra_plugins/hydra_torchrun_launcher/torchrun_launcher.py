@@ -34,6 +34,8 @@ class TorchrunLauncher(Launcher):
         self.report: Any = None
         # the sweep's stop notice (`_launcher.preempt.StopNotice`), installed at setup
         self.notice: Any = None
+        # composes the sweep's job configs (`_launcher.sweep_configs.SweepConfigs`), across batches
+        self.sweep_configs: Any = None
         # what the warm server imports besides torch (`preload`), chosen when it was started
         self.preload: Optional[tuple[str, ...]] = None
         # whether the one-line Ctrl-C/SIGTERM handlers of the sweep are installed (at setup)

@@ -130,10 +130,9 @@ def _take_launcher_state(request: JobRequest) -> None:
     preempt.listen(stop_signal_of(conf), conf.stop_timeout)
     setup_globals()
     # Hydra's Singleton state (ConfigStore, resolvers, HydraConfig), as the ranks get it
-    state = cloudpickle.loads(request.plan.payload.pickled_state)
-    from .._rank.worker import with_scanned_plugins
+    from .._rank.worker import hydra_state
 
-    Singleton.set_state(with_scanned_plugins(state))
+    Singleton.set_state(hydra_state(request.plan.payload))
 
 
 def _run(request: JobRequest) -> JobReturn:

@@ -62,6 +62,7 @@ from .resume import (
 from .runner import Placement, Runner, SweepDetached
 from .settings import shadowed_redirects
 from .shared_dir import publish_decision, take_decision
+from .sweep_configs import SweepConfigs
 from .task import app_script, pickle_task
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class SweepLauncher(Protocol):
     task_function: Optional[TaskFunction]
     report: Any
     notice: Any
+    sweep_configs: Any
 
 
 # how long a node that shares node 0's sweep dir waits for its decision (c10d's join_timeout)
@@ -164,6 +166,7 @@ class Composer:
             self.task_error = None  # each rank finds the task by name in the script it runs
         self.task = task_digest(launcher.task_function)
         self.notes: Set[str] = set()
+        self.pickled_state = _launch_state()
 
     def compose(self, job: PendingJob) -> "tuple[JobPlan, DictConfig]":
         config = _compose(self.launcher, job.overrides, job.idx)
@@ -171,7 +174,9 @@ class Composer:
         with _hydra_config(config):
             try:
                 settings, note = self.settings_of(config)
-                plan = _plan(config, settings, self.pickled_task, self.script, self.sweep_key)
+                plan = _plan(
+                    config, settings, self.pickled_task, self.pickled_state, self.script, self.sweep_key
+                )
             except (LauncherConfigError, OmegaConfBaseException) as e:
                 # a value that does not resolve for this job (`${oc.env:...}` of a swept name) is
                 # refused as a bad one is: one line naming the key, not a traceback
@@ -466,7 +471,9 @@ def _report_of(launcher: SweepLauncher, sweep_dir: Path, resuming: bool) -> Swee
 def _compose(launcher: SweepLauncher, overrides: List[str], idx: int) -> DictConfig:
     """The job's config as run_job will see it."""
     assert launcher.hydra_context is not None and launcher.config is not None
-    config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, overrides)
+    if launcher.sweep_configs is None or launcher.sweep_configs.master is not launcher.config:
+        launcher.sweep_configs = SweepConfigs(launcher.hydra_context.config_loader, launcher.config)
+    config = launcher.sweep_configs.compose(overrides)
     with open_dict(config):
         config.hydra.job.id = str(idx)  # a str, as Hydra's own launchers write it
         config.hydra.job.num = idx
@@ -477,10 +484,25 @@ def _compose(launcher: SweepLauncher, overrides: List[str], idx: int) -> DictCon
     return config
 
 
+def _launch_state() -> Optional[bytes]:
+    """Hydra's Singleton state but HydraConfig, cloudpickled once for the launch's jobs (each
+    job's HydraConfig travels beside it): capturing the whole state for every job cost a
+    deep copy of the ConfigStore and its pickling, 0.02 s a job. None where the state is
+    not as Hydra 1.3/1.4 keep it (each job's whole state is captured then)."""
+    state = Singleton.get_state()
+    instances = state.get("instances") if isinstance(state, dict) else None
+    if not isinstance(instances, dict):
+        return None
+    return cloudpickle.dumps(
+        {**state, "instances": {k: v for k, v in instances.items() if k is not HydraConfig}}
+    )
+
+
 def _plan(
     config: DictConfig,
     settings: JobSettings,
     pickled_task: bytes,
+    launch_state: Optional[bytes],
     script: Optional[AppScript],
     sweep_key: str,
 ) -> JobPlan:
@@ -512,7 +534,8 @@ def _plan(
         output_dir=output_dir,
         payload=RankPayload(
             pickled_task=pickled_task,
-            pickled_state=cloudpickle.dumps(Singleton.get_state()),
+            pickled_state=launch_state or cloudpickle.dumps(Singleton.get_state()),
+            pickled_hydra_config=cloudpickle.dumps(HydraConfig.instance()) if launch_state else b"",
             task_cfg=task_cfg,
             job_logging=job_logging,  # type: ignore[arg-type]
             job_num=idx,

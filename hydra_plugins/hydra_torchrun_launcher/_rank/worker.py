@@ -91,7 +91,7 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         raise
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
-    Singleton.set_state(with_scanned_plugins(cloudpickle.loads(job.pickled_state)))
+    Singleton.set_state(hydra_state(job))
     rank = int(os.environ.get("RANK", "0"))
     configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
     _enter_execution_whitelist(job.execution_whitelist)
@@ -207,6 +207,18 @@ def rank_log_config(job_logging: Optional[Dict[str, Any]], rank: int) -> Optiona
                 path = Path(handler["filename"])
                 handler["filename"] = str(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
     return OmegaConf.create(config)
+
+
+def hydra_state(payload: RankPayload) -> Dict[str, Any]:
+    """Hydra's Singleton state as the job's world has it: the launch's, with the job's
+    HydraConfig in its place (`RankPayload.pickled_hydra_config`), and the plugin scan."""
+    state = cloudpickle.loads(payload.pickled_state)
+    if payload.pickled_hydra_config:
+        state = {
+            **state,
+            "instances": {**state["instances"], HydraConfig: cloudpickle.loads(payload.pickled_hydra_config)},
+        }
+    return with_scanned_plugins(state)
 
 
 def with_scanned_plugins(state: Dict[str, Any]) -> Dict[str, Any]:

@@ -73,11 +73,15 @@ class RankPayload:
     """What every rank of a job needs to run the task as the job's Hydra world sees it."""
 
     pickled_task: bytes  # cloudpickled once per sweep
-    pickled_state: bytes  # Hydra's Singleton state with this job's config, cloudpickled
+    # Hydra's Singleton state, cloudpickled: the launch's, shared by its jobs (with
+    # `pickled_hydra_config`), or, where that is empty, this job's whole
+    pickled_state: bytes
     task_cfg: DictConfig
     job_logging: Optional[Dict[str, Any]]  # hydra.job_logging, resolved
     job_num: int
     overrides: List[str]
+    # this job's HydraConfig (its config), cloudpickled: HydraConfig's place in `pickled_state`
+    pickled_hydra_config: bytes = b""
     failure_grace_s: float = 0.0  # see `_rank.worker._linger_before_failing`
     # the launcher's stop signal: the job's process acts on it, the rank ignores it
     stop_signal: Optional[int] = None
