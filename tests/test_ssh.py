@@ -537,6 +537,46 @@ def test_a_two_host_job_past_job_timeout_names_the_ranks_still_running_on_both_h
     _nothing_left(hosts)
 
 
+# a callback whose on_job_end (in the job's process, after its ranks) never returns for x=1
+HANG_AT_JOB_END = """
+import time
+from hydra.experimental.callback import Callback
+
+
+class HangAtJobEnd(Callback):
+    def on_job_end(self, config, job_return, **kwargs):
+        if config.x == 1:
+            time.sleep(300)
+"""
+
+
+def test_a_job_process_killed_past_its_job_timeout_leaves_its_host_s_warm_server_to_the_next_job(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """The agent's backstop kills a job process that outlives its job_timeout and its ranks'
+    shutdown: it killed the process group of every process of the job, the warm server's
+    (which forks them all) with it, so the host was lost and the next job had none."""
+    (app_dir / "hang_at_job_end.py").write_text(HANG_AT_JOB_END)
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.job_timeout=1",
+        "hydra.launcher.shutdown_timeout=1",
+        "+hydra.callbacks.hang._target_=hang_at_job_end.HangAtJobEnd",
+        "x=1,2",
+    )
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert jobs[0]["status"] == "FAILED", output
+    assert "was killed by signal SIGKILL" in jobs[0]["error"], jobs[0]
+    assert "its process did not end after its job_timeout; killing it" in output, output
+    assert jobs[1]["status"] == "COMPLETED", output
+    assert jobs[1]["return_value"]["hosts"] == ["host1"], jobs[1]
+    assert "was lost" not in output and "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
 def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_completed_ended(
     hosts: SshHosts, app_dir: Path
 ) -> None:
