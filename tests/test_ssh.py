@@ -666,7 +666,8 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
     """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
     torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
     rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
-    run on each host, which the installed torchrun takes. Nothing starts: no host is asked."""
+    run on each host, which the installed torchrun takes: a line per host, each naming its
+    node's own log dir (every host's named node 0's). Nothing starts: no host is asked."""
     result = subprocess.run(
         [
             sys.executable,
@@ -696,16 +697,26 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
     rendezvous = [line.strip() for line in output.splitlines() if line.strip().startswith("rendezvous:")]
     assert rendezvous[0].startswith("rendezvous: c10d on the job's first host (FIRST_HOST)"), output
     assert rendezvous[1].startswith("rendezvous: c10d at localhost:0 on its host"), output
-    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("torchrun:")]
-    assert lines[0].startswith("torchrun:   on each of its hosts: cd "), output
-    assert lines[1].startswith("torchrun:   on its host: cd "), output
+    # a line per host of the job, each with its own node's log dir
+    shown = [line.strip() for line in output.splitlines()]
+    at = [n for n, line in enumerate(shown) if line.startswith("torchrun:")]
+    lines = [shown[at[0]], shown[at[0] + 1], shown[at[1]]]
+    assert lines[0].startswith("torchrun:   on host1: cd "), output
+    assert lines[1].startswith("on host2: cd "), output
+    assert lines[2].startswith("torchrun:   on its host: cd "), output
     from torch.distributed.run import parse_args
 
-    for line, nnodes, endpoint in zip(lines, ("2", "1"), ("FIRST_HOST:PORT", "localhost:0")):
-        words = shlex.split(line.split(": ", 2)[2].split(" && ", 1)[1])
+    for line, nnodes, endpoint, logs in zip(
+        lines,
+        ("2", "2", "1"),
+        ("FIRST_HOST:PORT", "FIRST_HOST:PORT", "localhost:0"),
+        ("0/torchrun_logs/node0", "0/torchrun_logs/node1", "1/torchrun_logs"),
+    ):
+        words = shlex.split(line.split(": cd ", 1)[1].split(" && ", 1)[1])
         args = parse_args(words[words.index("torchrun") + 1 :])
         assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == (nnodes, "2", "c10d"), line
         assert args.rdzv_endpoint == endpoint and args.training_script == "app.py", line
+        assert args.log_dir == str(app_dir / "sweep" / logs), line
 
 
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:
