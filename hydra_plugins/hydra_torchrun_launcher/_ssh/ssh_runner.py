@@ -41,6 +41,7 @@ from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
+from .._launcher.report import jobs_counted
 from .._launcher.reproduce import plain_torchrun_line
 from .._launcher.runner import JobEvents, JobFeed, Placement
 from .._shared.config_error import LauncherConfigError
@@ -115,7 +116,7 @@ class SshRunner:
         hosts = ", ".join(h.name if h.slots is None else f"{h.name} (slots={h.slots})" for h in first.hosts)
         agent = ssh_command(Host("HOST"), first.ssh_options, first.python, os.getcwd())
         lines = [
-            f"Dry run: {len(plans)} jobs on the hosts {hosts}, up to {_at_once(first)} at once"
+            f"Dry run: {jobs_counted(len(plans))} on the hosts {hosts}, up to {_at_once(first)} at once"
             f"{from_record}; nothing is started",
             # as pasted into a shell: ssh and its words, the remote command one of them
             f"\teach host's agent: {shlex.join(agent)}",
@@ -173,7 +174,7 @@ class SshRunner:
             with sweep.stop.handling():
                 sweep.start_agents()
                 log.info(
-                    f"Launching {count} jobs on {len(sweep.hosts)} host(s) "
+                    f"Launching {jobs_counted(count)} on {len(sweep.hosts)} host(s) "
                     f"({', '.join(state.host.name for state in sweep.hosts)}) "
                     f"into {shown_path(str(self.sweep_dir))}"
                 )
