@@ -136,9 +136,7 @@ def test_a_one_job_launch_ends_with_its_table_too(tmp_path: Path) -> None:
     result = _run(app_dir, "-m", "hydra.sweep.dir=sweep", "lr=0.1")
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
-    tally = next(
-        i for i, line in enumerate(lines) if HYDRA_LINE.match(line) and "1 jobs: 1 completed" in line
-    )
+    tally = next(i for i, line in enumerate(lines) if HYDRA_LINE.match(line) and "1 job: 1 completed" in line)
     assert lines[tally].endswith("(summary: sweep/sweep_summary.json)"), result.stdout
     assert lines[tally + 1].split() == ["#", "status", "time", "overrides", "result", "job", "dir"], (
         result.stdout
@@ -281,7 +279,7 @@ def test_a_multirun_config_makes_a_plain_run_one_distributed_job(tmp_path: Path)
     assert result.returncode == 0, out
     (job_dir,) = (app_dir / "multirun").glob("*/*/0")
     shown = job_dir.parent.relative_to(app_dir)
-    assert f"Launching 1 jobs with torchrun into {shown}" in out, out
+    assert f"Launching 1 job with torchrun into {shown}" in out, out
     assert re.search(r"job 1 of 1 ended: #0 : lr=0.5 : COMPLETED in [\d.]+s, returned 5.0", out), out
     for rank in (0, 1):
         assert (job_dir / f"rank{rank}.txt").read_text() == "2 job0 0.5\n"

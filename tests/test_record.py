@@ -151,7 +151,7 @@ def test_a_finished_sweep_runs_again_and_only_the_same_sweep_resumes(tmp_path: P
         "1 completed job(s) come from its record (#0), 0 unfinished job(s) continue, "
         "1 failed or not started run again (#1)"
     ) in resumed.stdout, resumed.stdout
-    assert "Launching 1 jobs" in resumed.stdout, resumed.stdout
+    assert "Launching 1 job with" in resumed.stdout, resumed.stdout
     assert _ranks_ran(resumed.stdout) == ["train_a lr=0.2"], resumed.stdout
     # rerun.sh of a job that a resume=true run ran works (a rerun has no record to resume)
     rerun = subprocess.run(

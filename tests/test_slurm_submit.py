@@ -519,7 +519,7 @@ def test_a_job_cancelled_by_ctrl_c_continues_in_place_when_the_same_command_runs
     )
     output = dry.stdout + dry.stderr
     assert (
-        "1 jobs, each a SLURM job of a job array (1 of them from the sweep dir's record, not submitted)"
+        "1 job, each a SLURM job of a job array (1 of them from the sweep dir's record, not submitted)"
         in output
     )
     assert "record:  COMPLETED in the record: not run" in output and "sbatch script" not in output, output

@@ -537,6 +537,46 @@ def test_a_two_host_job_past_job_timeout_names_the_ranks_still_running_on_both_h
     _nothing_left(hosts)
 
 
+# a callback whose on_job_end (in the job's process, after its ranks) never returns for x=1
+HANG_AT_JOB_END = """
+import time
+from hydra.experimental.callback import Callback
+
+
+class HangAtJobEnd(Callback):
+    def on_job_end(self, config, job_return, **kwargs):
+        if config.x == 1:
+            time.sleep(300)
+"""
+
+
+def test_a_job_process_killed_past_its_job_timeout_leaves_its_host_s_warm_server_to_the_next_job(
+    hosts: SshHosts, app_dir: Path
+) -> None:
+    """The agent's backstop kills a job process that outlives its job_timeout and its ranks'
+    shutdown: it killed the process group of every process of the job, the warm server's
+    (which forks them all) with it, so the host was lost and the next job had none."""
+    (app_dir / "hang_at_job_end.py").write_text(HANG_AT_JOB_END)
+    result = _sweep(
+        hosts,
+        app_dir,
+        "hydra.launcher.hosts=[host1]",
+        "hydra.launcher.job_timeout=1",
+        "hydra.launcher.shutdown_timeout=1",
+        "+hydra.callbacks.hang._target_=hang_at_job_end.HangAtJobEnd",
+        "x=1,2",
+    )
+    output = result.stdout + result.stderr
+    jobs = _summary(app_dir)
+    assert jobs[0]["status"] == "FAILED", output
+    assert "was killed by signal SIGKILL" in jobs[0]["error"], jobs[0]
+    assert "its process did not end after its job_timeout; killing it" in output, output
+    assert jobs[1]["status"] == "COMPLETED", output
+    assert jobs[1]["return_value"]["hosts"] == ["host1"], jobs[1]
+    assert "was lost" not in output and "Traceback" not in output, output
+    _nothing_left(hosts)
+
+
 def test_a_sigterm_after_the_last_job_ended_leaves_a_sweep_whose_jobs_all_completed_ended(
     hosts: SshHosts, app_dir: Path
 ) -> None:
@@ -626,7 +666,8 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
     """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
     torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
     rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
-    run on each host, which the installed torchrun takes. Nothing starts: no host is asked."""
+    run on each host, which the installed torchrun takes: a line per host, each naming its
+    node's own log dir (every host's named node 0's). Nothing starts: no host is asked."""
     result = subprocess.run(
         [
             sys.executable,
@@ -656,16 +697,26 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
     rendezvous = [line.strip() for line in output.splitlines() if line.strip().startswith("rendezvous:")]
     assert rendezvous[0].startswith("rendezvous: c10d on the job's first host (FIRST_HOST)"), output
     assert rendezvous[1].startswith("rendezvous: c10d at localhost:0 on its host"), output
-    lines = [line.strip() for line in output.splitlines() if line.strip().startswith("torchrun:")]
-    assert lines[0].startswith("torchrun:   on each of its hosts: cd "), output
-    assert lines[1].startswith("torchrun:   on its host: cd "), output
+    # a line per host of the job, each with its own node's log dir
+    shown = [line.strip() for line in output.splitlines()]
+    at = [n for n, line in enumerate(shown) if line.startswith("torchrun:")]
+    lines = [shown[at[0]], shown[at[0] + 1], shown[at[1]]]
+    assert lines[0].startswith("torchrun:   on host1: cd "), output
+    assert lines[1].startswith("on host2: cd "), output
+    assert lines[2].startswith("torchrun:   on its host: cd "), output
     from torch.distributed.run import parse_args
 
-    for line, nnodes, endpoint in zip(lines, ("2", "1"), ("FIRST_HOST:PORT", "localhost:0")):
-        words = shlex.split(line.split(": ", 2)[2].split(" && ", 1)[1])
+    for line, nnodes, endpoint, logs in zip(
+        lines,
+        ("2", "2", "1"),
+        ("FIRST_HOST:PORT", "FIRST_HOST:PORT", "localhost:0"),
+        ("0/torchrun_logs/node0", "0/torchrun_logs/node1", "1/torchrun_logs"),
+    ):
+        words = shlex.split(line.split(": cd ", 1)[1].split(" && ", 1)[1])
         args = parse_args(words[words.index("torchrun") + 1 :])
         assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == (nnodes, "2", "c10d"), line
         assert args.rdzv_endpoint == endpoint and args.training_script == "app.py", line
+        assert args.log_dir == str(app_dir / "sweep" / logs), line
 
 
 def test_hostfile_lines_parse_as_deepspeed_writes_them() -> None:

@@ -11,7 +11,10 @@ Real-process ranks get their settings through files in a private directory (0700
 Past `job_timeout` (torch's agent is interrupted by the SIGALRM of `_on_deadline`, before its
 own shutdown path stops the ranks), the job's process first names the ranks still running
 and asks each one that can where it is (`DUMP_SIGNAL`: faulthandler writes its stack to its
-stderr), so the job's error shows it (`_job.failure_report.deadline_report`).
+stderr), so the job's error shows it (`_job.failure_report.deadline_report`). A node of a
+multi-node job whose ranks had all returned (it waited at torch's exit barrier for the other
+nodes) says so; the job's nodes then leave its rendezvous store in order, its host last
+(`_job.node_exit.leave_after_deadline`).
 """
 
 import json
@@ -44,6 +47,7 @@ from .._shared.stop_files import (
     RANKS_STARTED_FILE,
     RESUMED_ENV,
     STOP_FILE_ENV,
+    LiveRank,
     ranks_of,
 )
 from . import preempt
@@ -65,7 +69,7 @@ from .launch_config import (
     launch_config_fields,
     local_world_size,
 )
-from .node_exit import keep_rendezvous_handlers, leave_together
+from .node_exit import keep_rendezvous_handlers, leave_after_deadline, leave_together
 from .torch_adjustments import adjust_torch_for_this_job
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,10 @@ AGENT_LOG = "torchrun_agent.log"
 RANK_PROCESSES_DIR = "ranks"
 # past job_timeout: how long the ranks asked for their stacks get to write them
 _DUMP_WAIT_S = 2.0
+# past job_timeout, the node hosting a multi-node job's store waits for the other nodes to
+# leave it for as long as their ranks' shutdown may take, and this much more (the nodes'
+# clocks, the reports they write)
+_LEAVE_MARGIN_S = 5.0
 
 
 @dataclass
@@ -93,6 +101,8 @@ class AgentJob:
     earlier_logs: "frozenset[Path]" = frozenset()
     # the ranks still running when the job ran past its job_timeout
     live_at_deadline: List[LiveRankReport] = field(default_factory=list)
+    # and those of the same attempt that had returned by then
+    returned_at_deadline: List[LiveRank] = field(default_factory=list)
 
 
 def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optional[str] = None) -> Any:
@@ -328,6 +338,7 @@ def _on_deadline(job: AgentJob) -> Callable[[int, Any], None]:
         if not deadline_first():
             return
         job.live_at_deadline = _ask_where(job)
+        job.returned_at_deadline = _returned(job, job.live_at_deadline)
         raise JobDeadline()
 
     return handler
@@ -387,6 +398,15 @@ def _ask_where(job: AgentJob) -> List[LiveRankReport]:
     return reports
 
 
+def _returned(job: AgentJob, live: List[LiveRankReport]) -> List[LiveRank]:
+    """The ranks of the last attempt that are not among `live`: they had returned."""
+    attempts = _attempt_dirs(job)
+    attempt = int(attempts[-1].name.split("_")[1]) if attempts else 0
+    running = {report.rank.rank for report in live}
+    directory = str(job.private_dir / RANK_PROCESSES_DIR)
+    return [rank for rank in ranks_of(directory, attempt) if rank.rank not in running]
+
+
 def _size(path: Optional[Path]) -> int:
     try:
         return path.stat().st_size if path is not None else 0
@@ -414,6 +434,9 @@ def _run_agent(job: AgentJob) -> Any:
         with stops_interrupt():
             preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
+            # every rank of every node has ended (the agent is through its exit barrier):
+            # the job's deadline is behind it, whatever leaving takes
+            signal.setitimer(signal.ITIMER_REAL, 0)
             preempt.agent_ended()
             returned = _leave_together(job, outputs)
     except ChildFailedError as e:
@@ -425,7 +448,14 @@ def _run_agent(job: AgentJob) -> Any:
         # a node that never came (or left): one line, not torch's traceback of its agent
         failure = job_failed(_rendezvous_failed(job.plan, e))
     except JobDeadline:
-        failure = deadline_report(conf.job_timeout, job.live_at_deadline, job.plan.launch_dir, job.plan.host)
+        failure = deadline_report(
+            conf.job_timeout,
+            job.live_at_deadline,
+            job.plan.launch_dir,
+            job.plan.host,
+            job.returned_at_deadline,
+        )
+        _leave_after_deadline(job)
     except preempt.StopTimeout:
         failure = preempt.timed_out()
     finally:
@@ -496,6 +526,24 @@ def _leave_together(job: AgentJob, outputs: Dict[int, Any]) -> Any:
             )
         return own
     return own if has_rank0 else cloudpickle.loads(shared)
+
+
+def _leave_after_deadline(job: AgentJob) -> None:
+    """Past the deadline the job's nodes share, each stops its own ranks; they then leave the
+    job's rendezvous store in order, its host last, as on their way out of a job that ended
+    (`_job.node_exit`). Only where this node's ranks ran: the nodes had met, and every one
+    comes to the same deadline."""
+    plan = job.plan
+    settings = plan.settings
+    if settings.min_nodes != settings.max_nodes or not (job.live_at_deadline or job.returned_at_deadline):
+        return
+    leave_after_deadline(
+        plan.rendezvous.backend,
+        plan.rendezvous.endpoint,
+        plan.rendezvous.run_id,
+        settings.max_nodes,
+        _DUMP_WAIT_S + 2 * settings.conf.shutdown_timeout + _LEAVE_MARGIN_S,
+    )
 
 
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:

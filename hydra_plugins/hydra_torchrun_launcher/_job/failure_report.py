@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -615,13 +615,22 @@ class LiveRankReport:
 
 
 def deadline_report(
-    timeout: float, live: List[LiveRankReport], launch_dir: Optional[str], host: Optional[str] = None
+    timeout: float,
+    live: List[LiveRankReport],
+    launch_dir: Optional[str],
+    host: Optional[str] = None,
+    returned: Sequence[LiveRank] = (),
 ) -> JobFailedError:
     """The job's error past `job_timeout`: the ranks still running then and where each one was
     (the account), and, for Hydra's last word, each one's last lines and its stack. On a host
-    of its own (`torchrun_ssh`), a rank's pid says which host it is a pid of."""
+    of its own (`torchrun_ssh`), a rank's pid says which host it is a pid of. A node of a
+    multi-node job none of whose ranks still ran names those that had `returned`: it was
+    waiting for the other nodes, whose reports name theirs (`merged_deadline`)."""
     lines = [f"the job ran past hydra.launcher.job_timeout={timeout:g}s; its ranks were stopped"]
     on = f" on {host}" if host else ""
+    if not live and returned:
+        ended = ", ".join(f"rank {rank.rank} (local_rank {rank.local_rank}{on})" for rank in returned)
+        lines.append(f"had returned: {ended}; its node was waiting for the job's other nodes")
     tail: List[str] = []
     for report in live:
         rank = report.rank

@@ -14,6 +14,12 @@ registry), and every node, once its agent has returned, counts itself out in the
 the node whose process hosts the store waits until every node has (at most
 `LEAVE_TIMEOUT_S`) and only then lets its store go, when the job process exits.
 
+A job past its `job_timeout` leaves in the same order (`leave_after_deadline`): its nodes
+share one deadline, and each stops its ranks there; a node whose ranks had ended before it
+(waiting at the exit barrier for the others) would otherwise be done first, and if it hosts
+the store, the others' agents lose it as they close the rendezvous. Its host waits for the
+others for as long as their ranks' shutdown may take, not `LEAVE_TIMEOUT_S`.
+
 On the way out the nodes also share global rank 0's return value: the node that ran rank 0
 puts it into the store, every other node takes it before it counts itself out, so every
 node's launcher hands its sweeper the same JobReturn, whichever node held rank 0 (with
@@ -60,6 +66,24 @@ def leave_together(
     others) and count this node out of the job's store; the node hosting it waits for all
     `nodes`. Returns rank 0's value, pickled, on every node; None where it could not be had
     (then the node keeps its own, and says so)."""
+    return _leave(backend, endpoint, run_id, nodes, LEAVE_TIMEOUT_S, share=True, rank0_value=rank0_value)
+
+
+def leave_after_deadline(backend: str, endpoint: str, run_id: str, nodes: int, wait_s: float) -> None:
+    """Count this node out of the job's store after it stopped its ranks at the job's deadline;
+    the node hosting it waits for all `nodes`, at most `wait_s`. No value is shared."""
+    _leave(backend, endpoint, run_id, nodes, wait_s, share=False, rank0_value=None)
+
+
+def _leave(
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    nodes: int,
+    wait_s: float,
+    share: bool,
+    rank0_value: Optional[bytes],
+) -> Optional[bytes]:
     if backend not in ("c10d", "static") or nodes <= 1 or not KEPT_HANDLERS:
         return rank0_value
     from torch.distributed import TCPStore
@@ -71,15 +95,15 @@ def leave_together(
     value_key = f"hydra_torchrun/rank0_value/{run_id}"
     shared = rank0_value
     try:
-        store = TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=LEAVE_TIMEOUT_S), wait_for_workers=False
-        )
-        if rank0_value is not None:
+        # (a store already gone is retried for as long, then given up)
+        timeout = timedelta(seconds=wait_s)
+        store = TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+        if share and rank0_value is not None:
             store.set(value_key, rank0_value)
-        else:
-            shared = store.get(value_key)  # waits for it, at most LEAVE_TIMEOUT_S
+        elif share:
+            shared = store.get(value_key)  # waits for it, at most wait_s
         left = store.add(key, 1)
-        deadline = time.monotonic() + LEAVE_TIMEOUT_S
+        deadline = time.monotonic() + wait_s
         while hosting and left < nodes and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             left = store.add(key, 0)
@@ -90,7 +114,7 @@ def leave_together(
     if hosting and left < nodes:
         log.warning(
             f"{nodes - left} node(s) of job {run_id} had not left its rendezvous after "
-            f"{LEAVE_TIMEOUT_S:g}s; its store closes now"
+            f"{wait_s:g}s; its store closes now"
         )
     return shared
 

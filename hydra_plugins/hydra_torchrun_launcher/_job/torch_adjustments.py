@@ -28,6 +28,15 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   failed ones, so a survivor ended by that SIGTERM is never taken for the cause. The
   failed ranks (`processes`, public) are told to `_job.failure_report` first, as with `close`:
   torch reports one failed rank of a multiprocessing context, the job's error names them all.
+- `store.barrier` (torch.distributed.elastic.utils.store, public), multi-node jobs only:
+  once a node's ranks have ended, torch's agent waits there for the job's other nodes (its
+  exit barrier, up to `exit_barrier_timeout`, 300 s) in one `Store.wait`, a C++ call in
+  which no Python signal handler of the job's process runs: neither the SIGALRM of
+  `job_timeout` (`_job.agent`) nor a stop signal (the launcher's SIGTERM after another node
+  failed) was acted on before the other nodes came or the barrier timed out. Here, in the
+  job's process, the barrier's wait polls the store (`Store.check`, a few times a second):
+  between polls the handlers run, and the node ends at its deadline or on a stop as one
+  whose ranks still run does. A rank forked from this process waits as torch does.
 - `dynamic_rendezvous.get_method_name` (public in its module): names the calling method for
   rendezvous event records, through two `inspect.stack()` calls that read the source of
   every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
@@ -40,6 +49,9 @@ otherwise leaves torch alone, with one warning where a documented promise then d
 
 import inspect
 import logging
+import os
+import time
+from datetime import timedelta
 from types import FrameType
 from typing import Any, Dict, Optional, Tuple
 
@@ -56,6 +68,8 @@ def adjust_torch_for_this_job(shutdown_timeout: int, single_node: bool, close_ti
     _cheap_method_names()
     if single_node:
         _no_skew_delay()
+    else:
+        _exit_barrier_heeds_signals()
 
 
 def _join_within_shutdown_timeout(seconds: float) -> None:
@@ -174,3 +188,53 @@ def _no_skew_delay() -> None:
         delay(seconds)
 
     dynamic_rendezvous._delay = delay_without_skew
+
+
+# the exit barrier's polls of the store: the first after this long, each next one twice as
+# long after the one before, at most _BARRIER_POLL_MAX_S (a stop or the deadline waits no more)
+_BARRIER_POLL_FIRST_S = 0.005
+_BARRIER_POLL_MAX_S = 0.2
+
+
+class _PolledStore:
+    """A store whose `wait` polls `check` (sleeping between polls, which a signal handler
+    interrupts) instead of blocking in C++ until the keys come or its timeout; everything
+    else is the store's own."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def wait(self, keys: Any, timeout: Optional[timedelta] = None) -> None:
+        limit = self._store.timeout if timeout is None else timeout
+        # a zero timeout is c10d's "no timeout" (`Store.kNoTimeout`)
+        ends = time.monotonic() + limit.total_seconds() if limit > timedelta(0) else None
+        pause = _BARRIER_POLL_FIRST_S
+        while not self._store.check(keys):
+            if ends is not None and time.monotonic() >= ends:
+                from torch.distributed import DistStoreError
+
+                waited = limit // timedelta(milliseconds=1)
+                raise DistStoreError(f"wait timeout after {waited}ms, keys: {keys}")
+            time.sleep(pause)
+            pause = min(2 * pause, _BARRIER_POLL_MAX_S)
+
+
+def _exit_barrier_heeds_signals() -> None:
+    """torch's `store.barrier`, in this process, with a `wait` that signal handlers interrupt
+    (see the module's docstring)."""
+    from torch.distributed.elastic.utils import store as store_util
+
+    original = getattr(store_util, "barrier", None)
+    if original is None or list(inspect.signature(original).parameters)[:1] != ["store"]:
+        return  # a torch whose barrier takes its store some other way: leave it be
+    job_process = os.getpid()
+
+    def barrier(store: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.getpid() != job_process:
+            return original(store, *args, **kwargs)  # a rank forked from the job's process
+        return original(_PolledStore(store), *args, **kwargs)
+
+    store_util.barrier = barrier

@@ -269,7 +269,8 @@ class _Launch:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if not self.ready and not self.pending:
             shown = shown_path(str(sweep_dir))
-            log.info(f"Nothing to launch: all {len(self.jobs)} jobs come from the record in {shown}")
+            every = "its only job comes" if len(self.jobs) == 1 else f"all {len(self.jobs)} jobs come"
+            log.info(f"Nothing to launch: {every} from the record in {shown}")
         exit_if_stopped()  # the last moment before a job may start
         try:
             ran = self.runner.run(self, self) if self.ready or self.pending else {}

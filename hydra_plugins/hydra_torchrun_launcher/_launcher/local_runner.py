@@ -24,6 +24,7 @@ from .cluster import resolve_cluster
 from .pool import run_jobs
 from .preempt import StopNotice, sweep_notice, sweep_stop_signal
 from .preload import varying_variables
+from .report import jobs_counted
 from .reproduce import dry_run_plan
 from .runner import JobEvents, JobFeed
 from .settings import check_node_rank, resolve_settings
@@ -126,7 +127,9 @@ class LocalRunner:
         def on_start(plan: JobPlan, devices: Optional[List[str]]) -> None:
             events.started(plan, f" on devices {','.join(devices)}" if devices is not None else "")
 
-        log.info(f"Launching {jobs.left()} jobs with torchrun into {shown_path(str(self.sweep_dir))}")
+        log.info(
+            f"Launching {jobs_counted(jobs.left())} with torchrun into {shown_path(str(self.sweep_dir))}"
+        )
         return run_jobs(
             server,
             jobs,

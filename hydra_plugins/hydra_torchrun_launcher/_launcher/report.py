@@ -384,7 +384,7 @@ class SweepReport:
         for num in self._batch:
             counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
         tally = ", ".join(f"{count} {_word(status)}" for status, count in counts.items())
-        lines = [f"{len(self._batch)} jobs: {tally} (summary: {shown_path(str(self.path))})"]
+        lines = [f"{jobs_counted(len(self._batch))}: {tally} (summary: {shown_path(str(self.path))})"]
         common = _common_overrides([outcome.overrides for outcome in self.outcomes.values()])
         every = [f"overrides every job has: {' '.join(common)}"] if common else []
         if len(self._batch) > LARGE_TABLE and self.writes:
@@ -449,6 +449,11 @@ def _varying_overrides(overrides: Iterable[Sequence[str]]) -> Callable[[Sequence
     the jobs (a key swept, or set in some jobs only), not those every job has."""
     common = set(_common_overrides(overrides))
     return lambda own: " ".join(o for o in filter_overrides(list(own)) if o not in common)
+
+
+def jobs_counted(count: int) -> str:
+    """ "1 job", "3 jobs": a count of jobs as a line says it."""
+    return "1 job" if count == 1 else f"{count} jobs"
 
 
 def job_numbers(nums: Iterable[int]) -> str:

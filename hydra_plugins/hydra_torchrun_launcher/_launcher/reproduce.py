@@ -30,6 +30,7 @@ from .._job.launch_config import means_the_default, prefix_template
 from .._shared.plan import JobPlan
 from .._shared.torchrun_cli import read_from_pet_variables, torchrun_options
 from ..config import TORCHRUN_FLAGS
+from .report import jobs_counted
 from .resume import PlannedResumption
 from .runner import Placement
 
@@ -340,7 +341,9 @@ def dry_run_plan(
     """What `dry_run: true` prints: every job's plan, as it would run, and its torchrun form;
     `recorded`: what the run would do with the jobs the sweep dir's record holds."""
     from_record = recorded.in_header("not run")
-    lines = [f"Dry run: {len(plans)} jobs, {parallel_jobs} at a time{from_record}; nothing is started"]
+    lines = [
+        f"Dry run: {jobs_counted(len(plans))}, {parallel_jobs} at a time{from_record}; nothing is started"
+    ]
     for plan in plans:
         conf = plan.settings.conf
         config = configs[plan.idx]

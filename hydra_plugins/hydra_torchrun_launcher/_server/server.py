@@ -312,6 +312,11 @@ class WarmServer:
     def alive(self) -> bool:
         return self._process.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The server's pid, which is also its process group's (and its job processes' group)."""
+        return self._process.pid
+
     def start_job(self, payload_r: int, result_w: int) -> int:
         """Fork a job process that reads its payload from `payload_r`; its pid."""
         self.report()

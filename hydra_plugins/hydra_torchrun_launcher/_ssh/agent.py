@@ -15,7 +15,9 @@ the session's.
 The agent ends when its stdin ends (the head exited, was killed with -9, or the connection
 was closed), or when the head has been silent for SILENCE_S (the connection was lost without
 closing: a network cut, the head's machine off; `_ssh.wire`): it kills what its job
-processes started, their whole process groups, first.
+processes started, their whole process groups, first. A job process that outlives its
+`job_timeout` and its ranks' shutdown is killed the same way, one job alone: the process
+group the job processes share with the warm server that forks them is spared.
 """
 
 import logging
@@ -195,14 +197,23 @@ class Agent:
                     file=sys.stderr,
                     flush=True,
                 )
-                _kill_tree(node.pid)
+                _kill_tree(node.pid, self._spared_groups())
                 node.kill_after = None
 
     def _end_all(self) -> None:
         """Every job process of this agent, and everything it started, killed."""
         for node in self.nodes.values():
-            _kill_tree(node.pid)
+            _kill_tree(node.pid, self._spared_groups())
         self.selector.close()
+
+    def _spared_groups(self) -> "set[int]":
+        """The process groups a job's kill must spare: this agent's, and its warm server's,
+        which every job process is in (forked from it): killing that group would take the
+        server, and every other job on this host, with the one job."""
+        spared = {os.getpgrp()}
+        if self.server is not None:
+            spared.add(self.server.pid)
+        return spared
 
 
 def job_files(job_dir: Path) -> "tuple[List[Tuple[str, bytes, int]], List[Tuple[str, int]]]":
@@ -250,9 +261,9 @@ def _descendants(pid: int) -> List[int]:
     return found
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a job process, its process group, and every process below it (a rank in a
-    session of its own too)."""
+def _kill_tree(pid: int, spared: "set[int]") -> None:
+    """SIGKILL a job process, every process below it, and the process groups they are in (a
+    rank in a session of its own too), but the `spared` ones."""
     below = _descendants(pid)
     groups = set()
     for each in [pid, *below]:
@@ -262,12 +273,11 @@ def _kill_tree(pid: int) -> None:
             continue
     for each in [pid, *below]:
         _signal(each, signal.SIGKILL)
-    for group in groups:
-        if group != os.getpgrp():
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                continue
+    for group in groups - spared:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
 
 
 def _signal(pid: int, signum: int) -> None:

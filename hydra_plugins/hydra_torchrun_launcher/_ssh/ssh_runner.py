@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import selectors
+import shlex
 import signal
 import sys
 import time
@@ -40,6 +41,7 @@ from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
 from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_notice, sweep_stop_signal
 from .._launcher.preload import preload_modules, varying_variables
+from .._launcher.report import jobs_counted
 from .._launcher.reproduce import plain_torchrun_line
 from .._launcher.runner import JobEvents, JobFeed, Placement
 from .._shared.config_error import LauncherConfigError
@@ -114,9 +116,10 @@ class SshRunner:
         hosts = ", ".join(h.name if h.slots is None else f"{h.name} (slots={h.slots})" for h in first.hosts)
         agent = ssh_command(Host("HOST"), first.ssh_options, first.python, os.getcwd())
         lines = [
-            f"Dry run: {len(plans)} jobs on the hosts {hosts}, up to {_at_once(first)} at once"
+            f"Dry run: {jobs_counted(len(plans))} on the hosts {hosts}, up to {_at_once(first)} at once"
             f"{from_record}; nothing is started",
-            f"\teach host's agent: {' '.join(agent)}",
+            # as pasted into a shell: ssh and its words, the remote command one of them
+            f"\teach host's agent: {shlex.join(agent)}",
         ]
         for plan in plans:
             options = self.options[plan.idx]
@@ -135,7 +138,18 @@ class SshRunner:
                 where = "c10d on the job's first host (FIRST_HOST), on a port derived when it starts (PORT)"
             else:
                 where = f"{rdzv.backend} at {rdzv.endpoint} on its host (a free port when the job starts)"
-            line, missing = plain_torchrun_line(plan, configs[plan.idx], None)
+            # a line per host: as `node_request` makes each node's plan, whose torch logs go
+            # to a dir of its own (`job_log_dir`)
+            torchrun = []
+            for node, name in enumerate(_node_hosts(options)):
+                on_node = plan
+                if options.nodes > 1:
+                    conf_k = dataclasses.replace(plan.settings.conf, node_rank=node)
+                    on_node = dataclasses.replace(
+                        plan, node_slot=node, settings=dataclasses.replace(plan.settings, conf=conf_k)
+                    )
+                line, missing = plain_torchrun_line(on_node, configs[plan.idx], None)
+                torchrun.append(f"on {name}: {line}")
             lines += [
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
                 *([f"\t\trecord:     {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
@@ -144,7 +158,8 @@ class SshRunner:
                 f"x {options.nodes} host(s), {conf.start_method}",
                 f"\t\thosts:      {_which_hosts(options)}",
                 f"\t\trendezvous: {where}, id {plan.rendezvous.run_id}",
-                f"\t\ttorchrun:   on {'each of its hosts' if options.nodes > 1 else 'its host'}: {line}",
+                f"\t\ttorchrun:   {torchrun[0]}",
+                *(f"\t\t            {line}" for line in torchrun[1:]),
                 *([f"\t\t            (it cannot express: {'; '.join(missing)})"] if missing else []),
             ]
         return "\n".join(lines)
@@ -159,7 +174,7 @@ class SshRunner:
             with sweep.stop.handling():
                 sweep.start_agents()
                 log.info(
-                    f"Launching {count} jobs on {len(sweep.hosts)} host(s) "
+                    f"Launching {jobs_counted(count)} on {len(sweep.hosts)} host(s) "
                     f"({', '.join(state.host.name for state in sweep.hosts)}) "
                     f"into {shown_path(str(self.sweep_dir))}"
                 )
@@ -184,6 +199,15 @@ def _which_hosts(options: SshOptions) -> str:
     if options.nodes == len(names):
         return ", ".join(names)
     return f"{options.nodes} of {', '.join(names)}: the first free when the job starts"
+
+
+def _node_hosts(options: SshOptions) -> List[str]:
+    """Each node's host as a dry run names it: the host itself where the job takes every host."""
+    if options.nodes == 1:
+        return ["its host"]
+    if options.nodes == len(options.hosts):
+        return [h.name for h in options.hosts]
+    return ["its host 1 (FIRST_HOST)", *(f"its host {node + 1}" for node in range(1, options.nodes))]
 
 
 def _at_once(options: SshOptions) -> int:

@@ -25,6 +25,7 @@ from .._job.failure_report import JobFailedError
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
+from .._launcher.report import jobs_counted
 from .._launcher.resume import PlannedResumption
 from .._launcher.runner import JobEvents, JobFeed, SweepDetached
 from .._shared import slurm_commands
@@ -269,8 +270,7 @@ class _Sweep:
                 f"SLURM job(s) {', '.join(gone)} of an earlier run ended without a result: submitted again"
             )
         if fresh:
-            jobs = "1 job" if len(fresh) == 1 else f"{len(fresh)} jobs"
-            log.info(f"Submitting {jobs} to SLURM into {shown_path(sweep_dir)}")
+            log.info(f"Submitting {jobs_counted(len(fresh))} to SLURM into {shown_path(sweep_dir)}")
         for plan in fresh:
             # each node's own environment, as sbatch exported this one's; SLURM's devices
             replace_private(request_file(self.directory, plan.idx), self.events.request(plan, None, {}, []))
@@ -638,9 +638,8 @@ def _dry_run(
     jobs a run would take from the sweep dir's record are in no array); nothing is."""
     directory = sweep_dir / ".slurm"
     from_record = recorded.in_header("not submitted")
-    lines = [
-        f"Dry run: {len(plans)} jobs, each a SLURM job of a job array{from_record}; nothing is submitted"
-    ]
+    counted = jobs_counted(len(plans))
+    lines = [f"Dry run: {counted}, each a SLURM job of a job array{from_record}; nothing is submitted"]
     for slurm, group in arrays(plans, options).items():
         for plan in group:
             conf = plan.settings.conf

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .._launcher.report import COMPLETED, job_numbers
+from .._launcher.report import COMPLETED, job_numbers, jobs_counted
 from .._shared import slurm_commands
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -127,7 +127,7 @@ def as_text(view: SweepView) -> str:
     kind = {"slurm": "a SLURM", "ssh": "an ssh"}.get(view.runner, "a local")
     lines = [f"{shown_path(str(view.sweep_dir))}: {kind} sweep, {_stage(view)}"]
     tally = ", ".join(f"{count} {_word(state)}" for state, count in view.counts.items())
-    lines.append(f"{len(view.jobs)} jobs: {tally}")
+    lines.append(f"{jobs_counted(len(view.jobs))}: {tally}")
     if view.squeue_error:
         lines.append(f"{view.squeue_error}: where its SLURM jobs stand is not known")
     slurm = any(job.slurm_id for job in view.jobs)
