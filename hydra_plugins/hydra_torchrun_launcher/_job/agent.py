@@ -52,16 +52,7 @@ from .._shared.stop_files import (
 )
 from . import preempt
 from .console import RankConsole
-from .failure_report import (
-    LiveRankReport,
-    deadline_first,
-    deadline_report,
-    failed_before_stop,
-    forget_ranks,
-    job_error,
-    job_failed,
-    stops_interrupt,
-)
+from .failure_report import LiveRankReport, deadline_report, failed_before_stop, job_error, job_failed
 from .launch_config import (
     agent_environment,
     build_launch_config,
@@ -335,7 +326,7 @@ def _on_deadline(job: AgentJob) -> Callable[[int, Any], None]:
     they are, then the agent is interrupted."""
 
     def handler(signum: int, frame: Any) -> None:
-        if not deadline_first():
+        if not preempt.deadline_first():
             return
         job.live_at_deadline = _ask_where(job)
         job.returned_at_deadline = _returned(job, job.live_at_deadline)
@@ -421,7 +412,7 @@ def _run_agent(job: AgentJob) -> Any:
     ranks through its own shutdown path; `job_timeout` does the same by a SIGALRM. Before
     the agent has ranks to watch (in the rendezvous), the job process's own handler raises
     the same SignalException; a stop that came earlier stops the job before the agent starts
-    (`_job.failure_report.stops_interrupt`). The stop signal asks the ranks to stop at one step
+    (`_job.preempt.stops_interrupt`). The stop signal asks the ranks to stop at one step
     boundary instead (`_job.preempt`); the job then ends preempted. Whatever came first (a
     rank's failure, the deadline, a stop) is the job's outcome; what came after is said after it.
     """
@@ -431,7 +422,7 @@ def _run_agent(job: AgentJob) -> Any:
         signal.signal(signal.SIGALRM, _on_deadline(job))
         signal.setitimer(signal.ITIMER_REAL, _until_deadline(job.plan, conf.job_timeout))
     try:
-        with stops_interrupt():
+        with preempt.stops_interrupt():
             preempt.agent_starting(str(job.private_dir / "stop"))
             outputs = elastic_launch(job.launch_config, job.entrypoint)(*job.args)
             # every rank of every node has ended (the agent is through its exit barrier):
@@ -461,7 +452,7 @@ def _run_agent(job: AgentJob) -> Any:
     finally:
         preempt.agent_ended()
         signal.setitimer(signal.ITIMER_REAL, 0)
-        forget_ranks()
+        preempt.forget_ranks()
     if failure is None:
         preempted = preempt.outcome()
         if preempted is None:

@@ -10,9 +10,8 @@ prints at the end of the sweep as it prints a task's traceback: the job's line, 
 and `sweep_summary.json` keep the short account, which travels beside the error
 (`_rank.carried_exception.FailureAccount`).
 
-The first cause wins: once a rank has failed (or the job has run past `job_timeout`), a
-stop signal that comes while the job's ranks shut down does not interrupt that shutdown; it
-is said after the failure, and the job stays FAILED. A job past its `job_timeout` names the
+The first cause wins (`_job.preempt`): a stop signal that comes while the job's ranks shut
+down after a failure is said after it, and the job stays FAILED. A job past its `job_timeout` names the
 ranks still running, with their last lines and where each one was (`deadline_report`).
 """
 
@@ -20,14 +19,11 @@ import json
 import os
 import re
 import signal
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra.errors import CompactHydraException
-from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from .._rank.carried_exception import (
@@ -39,8 +35,8 @@ from .._rank.carried_exception import (
     with_summary,
 )
 from .._shared.paths import shown_path
-from .._shared.signals import group_signals
 from .._shared.stop_files import LiveRank
+from .preempt import failed_first, rank_exits, stop_after, stop_came_at
 
 _STDERR_TAIL_LINES = 20
 # a live rank's last lines of output, of each stream, in the error of a job past its job_timeout
@@ -95,157 +91,20 @@ class JobStopped(JobFailedError):
     the launcher records it STOPPED (it runs again when the sweep resumes)."""
 
 
-# ------------------------------------------------------------------ the first cause
-
-
-class _Stop:
-    """The stop signal this job's process received, and whether it interrupts what runs.
-
-    It interrupts only while torch's agent runs (`stops_interrupt`), as the agent's own
-    handler does; elsewhere the signal is recorded and acted on at the next safe point,
-    because an exception raised at an arbitrary instruction can leave a lock of `logging`
-    or of a fork handler held.
-    """
-
-    received: Optional[signal.Signals] = None
-    at: Optional[float] = None  # time.time() of the first one
-    interrupting = False
-
-
-class _FirstCause:
-    """What ended the job first, as this process saw it: a rank's failure (seen by torch's
-    agent, `_job.torch_adjustments`), the job's deadline, or a stop signal (`_Stop`)."""
-
-    failure_seen_at: Optional[float] = None
-    # local rank -> (pid, exit code) of the ranks found ended with a failure when the agent acted
-    failed: Dict[int, Tuple[int, int]] = {}
-    deadline_at: Optional[float] = None
-    # local rank -> (pid, exit code) of every rank now, from torch's process context
-    rank_exits: Optional[Callable[[], Dict[int, Tuple[int, Optional[int]]]]] = None
-
-
-def ranks_failed(failed: Dict[int, Tuple[int, int]]) -> None:
-    """torch's agent found these local ranks ended with a failure ((pid, exit code)) and now
-    stops the others: from here on the failure is the job's first cause (unless the agent
-    then restarts the ranks: `attempt_starting`)."""
-    if not failed:
-        return
-    if _FirstCause.failure_seen_at is None and _FirstCause.deadline_at is None and _Stop.received is None:
-        _FirstCause.failure_seen_at = time.time()
-        _take_over_stops()
-    for local_rank, exit in failed.items():
-        _FirstCause.failed.setdefault(local_rank, exit)
-
-
-def attempt_starting() -> None:
-    """torch's agent starts (or restarts, `max_restarts`) the ranks: a failure seen before is
-    not the job's outcome any more; a stop that came meanwhile stops the job now."""
-    _FirstCause.failure_seen_at = None
-    _FirstCause.failed = {}
-    if _Stop.received is not None and _Stop.interrupting:
-        _raise_stop()
-
-
-def _take_over_stops() -> None:
-    """The stop signals are this process's to handle again, not torch's agent's (whose handler
-    would interrupt the shutdown of the job's first cause): they are recorded, and said after it."""
-    for sig in group_signals():
-        handler = signal.getsignal(sig)
-        if callable(handler) and handler is not stop_requested:
-            signal.signal(sig, stop_requested)
-
-
-def rank_exits_from(source: Callable[[], Dict[int, Tuple[int, Optional[int]]]]) -> None:
-    """Where the ranks' pids and exit codes are read once the agent is done."""
-    _FirstCause.rank_exits = source
-
-
-def forget_ranks() -> None:
-    """The agent is done and its failure told: torch's process context (its ranks' pipes)
-    goes with the agent, not held here."""
-    _FirstCause.rank_exits = None
-
-
-def _rank_exits() -> Dict[int, Tuple[int, Optional[int]]]:
-    try:
-        return _FirstCause.rank_exits() if _FirstCause.rank_exits is not None else {}
-    except Exception:
-        return {}
-
-
-def deadline_first() -> bool:
-    """The job's deadline came: it is the first cause unless a failure or a stop came before."""
-    if _FirstCause.failure_seen_at is not None or _Stop.received is not None:
-        return False
-    _FirstCause.deadline_at = time.time()
-    _take_over_stops()
-    return True
-
-
-def _first_cause_came() -> bool:
-    return _FirstCause.failure_seen_at is not None or _FirstCause.deadline_at is not None
-
-
-def _raise_stop() -> None:
-    raise SignalException(f"Process {os.getpid()} got signal: {_Stop.received}", sigval=_Stop.received)
-
-
-def stop_requested(signum: int, frame: Any) -> None:
-    """The job process's handler of a stop signal, installed for the whole job.
-
-    It records the signal; while torch's agent runs it also raises, as the agent's own
-    handler does, so a stop that comes before the agent has ranks to watch (its rendezvous
-    waiting for other nodes) ends the job the same way, with its JobReturn. It does not
-    raise once a rank has failed or the job's deadline has come: the agent is stopping the
-    ranks for that first cause already (within `shutdown_timeout`), and the failure stays
-    the job's outcome; the stop is said after it.
-    """
-    if _Stop.received is None:
-        _Stop.at = time.time()
-    _Stop.received = signal.Signals(signum)
-    if _Stop.interrupting and not _first_cause_came():
-        _raise_stop()
-
-
-@contextmanager
-def stops_interrupt() -> Iterator[None]:
-    """Around torch's agent: a stop raises there, and one that came before raises at once.
-
-    Afterwards the job process's handlers are back where the agent put its own.
-    """
-    saved = {sig: signal.getsignal(sig) for sig in group_signals()}
-    _Stop.interrupting = True
-    try:
-        if _Stop.received is not None:
-            _raise_stop()
-        yield
-    finally:
-        _Stop.interrupting = False
-        for sig, handler in saved.items():
-            if signal.getsignal(sig) is not handler and handler is not None:
-                signal.signal(sig, handler)
-
-
-def stop_after() -> Optional[str]:
-    """The line that says a stop came after the job's first cause (None if none came)."""
-    if _Stop.received is None:
-        return None
-    return f"then {_Stop.received.name} stopped the sweep while the job's ranks were shutting down"
-
-
 def failed_before_stop(
     error_dirs: Dict[int, Path], ranks: Dict[int, LiveRank], name: str
 ) -> Optional[ChildFailedError]:
     """After a stop ended the agent: the ranks that had failed on their own before the stop
     came (the agent had not seen them yet: their exception, left before the signal), as the
     agent reports failed ranks; None if none had. `ranks`: the ranks' processes by local rank."""
-    if _Stop.at is None:
+    came_at = stop_came_at()
+    if came_at is None:
         return None
-    exits = _rank_exits()
+    exits = rank_exits()
     failed = {}
     for local_rank, directory in error_dirs.items():
         try:
-            if (directory / EXCEPTION_FILE).stat().st_mtime >= _Stop.at:
+            if (directory / EXCEPTION_FILE).stat().st_mtime >= came_at:
                 continue
         except OSError:
             continue
@@ -405,13 +264,13 @@ def _other_failures(error: ChildFailedError, error_dirs: Dict[int, Path], nproc:
     when it acted, and those that raised while the job shut down (their exception left)."""
     root_rank, root = error.get_first_failure()
     base = root_rank - root.local_rank  # global rank of local rank 0 on this node
-    exits = _rank_exits()
+    exits = rank_exits()
     found: Dict[int, _Failed] = {}
     for rank, failure in error.failures.items():
         if rank == root_rank:
             continue
         exception = _exception_line(failure) or _raised(error_dirs.get(failure.local_rank))
-        if failure.exitcode in _STOPPING and not exception and failure.local_rank not in _FirstCause.failed:
+        if failure.exitcode in _STOPPING and not exception and failure.local_rank not in failed_first():
             continue  # a survivor the agent stopped
         # one that raised and was then stopped on its way out: its exception says what it did
         cause = "" if exception and failure.exitcode in _STOPPING else _cause(failure)
@@ -420,7 +279,7 @@ def _other_failures(error: ChildFailedError, error_dirs: Dict[int, Path], nproc:
         if local_rank == root.local_rank or local_rank in found:
             continue
         exception = _raised(error_dirs.get(local_rank))
-        seen = _FirstCause.failed.get(local_rank)
+        seen = failed_first().get(local_rank)
         if not exception and seen is None:
             continue
         pid, code = exits.get(local_rank, (None, None))

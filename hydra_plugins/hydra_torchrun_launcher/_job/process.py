@@ -35,7 +35,7 @@ from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
 from . import preempt
 from .agent import run_agent_job
-from .failure_report import JobFailedError, account_for, stop_requested
+from .failure_report import JobFailedError, account_for
 
 _FRAME = struct.Struct("=q")
 
@@ -125,7 +125,7 @@ def _take_launcher_state(request: JobRequest) -> None:
     os.environ.clear()
     os.environ.update(request.environ)
     os.chdir(request.cwd)
-    take_dispositions(request.ignored_signals, stop_requested)
+    take_dispositions(request.ignored_signals, preempt.stop_requested)
     conf = request.plan.settings.conf
     preempt.listen(stop_signal_of(conf), conf.stop_timeout)
     setup_globals()

@@ -8,7 +8,7 @@ otherwise leaves torch alone, with one warning where a documented promise then d
 - `PContext.close` (torch.distributed.elastic.multiprocessing.api, public): the agent stops
   its ranks through it. Before it does, the ranks already ended with a failure (the
   `returncode` of a `SubprocessContext`'s public `subprocess_handlers`) are told to
-  `_job.failure_report` as the job's first cause, which a stop signal coming during the shutdown
+  `_job.preempt` as the job's first cause, which a stop signal coming during the shutdown
   then does not override. And only where `LaunchConfig` has no `shutdown_timeout` field
   (torch before 2.12, which has neither the field nor TORCH_ELASTIC_SHUTDOWN_TIMEOUT), the
   agent calls it without a timeout, so the ranks get its default 30 s between the graceful
@@ -16,7 +16,7 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   `shutdown_timeout` instead, as the field does where torch has it.
 
 - `PContext.start` (public): the agent starts (or restarts) its ranks through it; a failure
-  seen before a restart is not the job's first cause any more (`_job.failure_report`).
+  seen before a restart is not the job's first cause any more (`_job.preempt`).
 - `ProcessContext.join` (torch.multiprocessing.spawn, public): on a rank's failure torch's
   agent calls it without a grace period, and it then waits a hard-coded 30 s between
   SIGTERM and SIGKILL, so a survivor that handles SIGTERM (Lightning, any
@@ -26,7 +26,7 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   most 2 x shutdown_timeout after the failure. torch then names the first dead rank it
   finds among the ones it still watches (`sentinels`, a public attribute): here only the
   failed ones, so a survivor ended by that SIGTERM is never taken for the cause. The
-  failed ranks (`processes`, public) are told to `_job.failure_report` first, as with `close`:
+  failed ranks (`processes`, public) are told to `_job.preempt` first, as with `close`:
   torch reports one failed rank of a multiprocessing context, the job's error names them all.
 - `store.barrier` (torch.distributed.elastic.utils.store, public), multi-node jobs only:
   once a node's ranks have ended, torch's agent waits there for the job's other nodes (its
@@ -55,7 +55,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, Dict, Optional, Tuple
 
-from . import failure_report
+from . import preempt
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,12 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
         return
 
     def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
-        failure_report.rank_exits_from(lambda: {i: (p.pid, p.exitcode) for i, p in enumerate(self.processes)})
+        preempt.rank_exits_from(lambda: {i: (p.pid, p.exitcode) for i, p in enumerate(self.processes)})
         if grace_period is None:
             failed = {s: i for s, i in self.sentinels.items() if self.processes[i].exitcode not in (None, 0)}
             if failed:
                 dead = {i: self.processes[i] for i in failed.values()}
-                failure_report.ranks_failed({i: (p.pid, p.exitcode) for i, p in dead.items()})
+                preempt.ranks_failed({i: (p.pid, p.exitcode) for i, p in dead.items()})
                 # a rank failed: the survivors get the graceful signal now, not after a grace period
                 for process in self.processes:
                     if process.is_alive():
@@ -112,7 +112,7 @@ def close_takes_a_timeout() -> bool:
 
 
 def _close_after_noting_failures(seconds: Optional[int]) -> None:
-    """`PContext.close`, after telling `_job.failure_report` which ranks had failed (subprocess ranks:
+    """`PContext.close`, after telling `_job.preempt` which ranks had failed (subprocess ranks:
     a launch prefix, a script); with `seconds` as its default timeout where torch's agent
     passes none (see the module's docstring)."""
     from torch.distributed.elastic.multiprocessing.api import PContext
@@ -130,8 +130,8 @@ def _close_after_noting_failures(seconds: Optional[int]) -> None:
     def close(self: Any, death_sig: Any = None, timeout: Optional[int] = None) -> None:
         now = exits(self)
         if now:
-            failure_report.rank_exits_from(lambda: exits(self))
-            failure_report.ranks_failed(
+            preempt.rank_exits_from(lambda: exits(self))
+            preempt.ranks_failed(
                 {rank: (pid, code) for rank, (pid, code) in now.items() if code not in (None, 0)}  # type: ignore[misc]
             )
         if timeout is None:
@@ -152,7 +152,7 @@ def _note_attempts() -> None:
         return  # a torch that starts its ranks some other way: a restart keeps an earlier failure noted
 
     def start(self: Any) -> None:
-        failure_report.attempt_starting()
+        preempt.attempt_starting()
         original(self)
 
     PContext.start = start  # type: ignore[method-assign]
