@@ -24,7 +24,9 @@ def test_listed_name_is_present_here(entry: _private.PrivateName) -> None:
 
         package, release = entry.only_in.split()
         if not version(package).startswith(release):
-            assert not _private.present(entry.module, entry.name), f"{entry}: now in {package} {version(package)}"
+            assert not _private.present(entry.module, entry.name), (
+                f"{entry}: now in {package} {version(package)}"
+            )
             return
     if entry.name.startswith("JobReturn."):
         from hydra.core.utils import JobReturn

@@ -90,14 +90,16 @@ def config_options(argv: Optional[List[str]] = None) -> List[str]:
     return options
 
 
-def app_command() -> List[str]:
-    """How the app was started: the interpreter and its script, or `-m` and its module."""
+def app_command(python: Optional[str] = None) -> List[str]:
+    """How the app was started: the interpreter (`python`: another's, as a host runs it) and
+    its script, or `-m` and its module."""
+    python = python or sys.executable
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     if spec is not None and spec.name:
         module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return [sys.executable, "-m", module]
-    return [sys.executable, sys.argv[0]]
+        return [python, "-m", module]
+    return [python, sys.argv[0]]
 
 
 def job_environment(plan: JobPlan, devices: Optional[List[str]]) -> Dict[str, str]:
@@ -108,7 +110,9 @@ def job_environment(plan: JobPlan, devices: Optional[List[str]]) -> Dict[str, st
     return env
 
 
-def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List[str], Dict[str, str]]:
+def torchrun_command(
+    plan: JobPlan, config: DictConfig, python: Optional[str] = None
+) -> Tuple[List[str], List[str], Dict[str, str]]:
     """The job as one `torchrun` command line (the flags this torch's torchrun knows), the
     job's settings that the line cannot express (named, so nobody takes it for the job), and
     the variables that give torchrun what it takes from its environment for want of a flag."""
@@ -162,12 +166,13 @@ def torchrun_command(plan: JobPlan, config: DictConfig) -> Tuple[List[str], List
     per_rank = [a for a in [*conf.launch_prefix, *conf.training_script_args] if _PER_RANK.search(a)]
     if per_rank:
         missing.append(f"{{rank}}/{{local_rank}} in {' '.join(per_rank)} (replaced per rank by the launcher)")
-    return command + _what_runs(plan, config), missing, through_environment
+    return command + _what_runs(plan, config, python), missing, through_environment
 
 
-def _what_runs(plan: JobPlan, config: DictConfig) -> List[str]:
+def _what_runs(plan: JobPlan, config: DictConfig, python: Optional[str]) -> List[str]:
     """What the torchrun line runs after its flags: the training script, or the app in
-    Hydra's run mode (under the launch prefix, if any)."""
+    Hydra's run mode (under the launch prefix, if any: by `python`, the interpreter where the
+    line runs)."""
     conf = plan.settings.conf
     if conf.training_script is not None:
         if conf.launch_prefix:
@@ -175,7 +180,7 @@ def _what_runs(plan: JobPlan, config: DictConfig) -> List[str]:
         options = (("--module", conf.module), ("--no-python", conf.no_python), ("--run-path", conf.run_path))
         flags = [flag for flag, on in options if on]
         return flags + [script_path(plan), *conf.training_script_args]
-    app = app_command()
+    app = app_command(python)
     overrides = _without(_hydra_overrides(config), _LAUNCHER_OVERRIDES)
     # Hydra's run mode in every rank (whatever hydra.mode the config sets), in the job's
     # dir, with the job's number
@@ -216,7 +221,7 @@ def rerun_script(
         # a new dir: there is no record to resume, whatever the sweep's resume said
         "hydra.launcher.resume=false",
     ]
-    line, missing = plain_torchrun_line(plan, config, devices)
+    line, missing = plain_torchrun_line(plan, config, devices, placed.python if placed is not None else None)
     header = [
         f"Job #{plan.idx} of the sweep in {config.hydra.sweep.dir}: {_listed(plan.overrides)}",
         "Reruns it outside that sweep, as a sweep of this one job through the torchrun launcher,",
@@ -240,11 +245,11 @@ def rerun_script(
 
 
 def plain_torchrun_line(
-    plan: JobPlan, config: DictConfig, devices: Optional[List[str]]
+    plan: JobPlan, config: DictConfig, devices: Optional[List[str]], python: Optional[str] = None
 ) -> Tuple[str, List[str]]:
     """The job as a shell line of plain torchrun, the environment the job adds in front, run
-    where the sweep started (a training script: in its job dir); and what the line cannot
-    express."""
+    where the sweep started (a training script: in its job dir; `python`: the interpreter
+    there, where it is not this one's); and what the line cannot express."""
     conf = plan.settings.conf
     env = job_environment(plan, devices)
     # the app's script, and a relative --config-path, are found from where the sweep started
@@ -255,7 +260,7 @@ def plain_torchrun_line(
         if conf.module:
             path = os.environ.get("PYTHONPATH")
             env["PYTHONPATH"] = plan.launch_dir + (os.pathsep + path if path else "")
-    command, missing, through_environment = torchrun_command(plan, config)
+    command, missing, through_environment = torchrun_command(plan, config, python)
     env.update(through_environment)
     shown = [word for name in _pet_variables_read_here() for word in ("-u", name)]
     shown += [f"{k}={v}" for k, v in env.items()]
@@ -268,7 +273,9 @@ def write_rerun_script(
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     path = plan.output_dir / RERUN_SCRIPT
     path.write_text(rerun_script(plan, config, devices, placed))
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    # executable by whom the umask lets read it, as `chmod +x` makes it
+    mode = path.stat().st_mode
+    path.chmod(mode | (mode & (stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)) >> 2)
 
 
 def _hydra_overrides(config: DictConfig) -> List[str]:

@@ -29,6 +29,8 @@ class Placement:
 
     overrides: Tuple[str, ...]
     where: str
+    # the interpreter that runs the app there (a host's `hydra.launcher.python`); None: this one
+    python: Optional[str] = None
 
 
 class SweepDetached(Exception):

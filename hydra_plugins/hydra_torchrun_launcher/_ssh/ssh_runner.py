@@ -148,7 +148,7 @@ class SshRunner:
                     on_node = dataclasses.replace(
                         plan, node_slot=node, settings=dataclasses.replace(plan.settings, conf=conf_k)
                     )
-                line, missing = plain_torchrun_line(on_node, configs[plan.idx], None)
+                line, missing = plain_torchrun_line(on_node, configs[plan.idx], None, first.python)
                 torchrun.append(f"on {name}: {line}")
             lines += [
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
@@ -426,7 +426,9 @@ class _Sweep:
                 settings=dataclasses.replace(plan.settings, conf=conf),
                 rendezvous=Rendezvous("c10d", endpoint, f"{run}_{plan.idx}", plan.rendezvous.configs),
             )
-        request = self.events.request(first, devices[0], environs[0], [], _placement(hosts, devices))
+        request = self.events.request(
+            first, devices[0], environs[0], [], _placement(hosts, devices, self.first.python)
+        )
         where = ", ".join(
             state.host.name + (f" (devices {','.join(d)})" if d else "") for state, d in zip(hosts, devices)
         )
@@ -532,10 +534,11 @@ def _label(plan: JobPlan, host: str) -> str:
     return f"{plan.console_label or f'#{plan.idx} '}{host} "
 
 
-def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> Placement:
+def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]], python: str) -> Placement:
     """The job's hosts, in order (its rendezvous on the first), for its rerun.sh: a one-job
     sweep on them, whatever hosts the sweep had; the devices it had on hosts with slots,
-    where every host gave it the same ones (else each host's are all visible to it)."""
+    where every host gave it the same ones (else each host's are all visible to it); the
+    hosts' interpreter (`python`), for its plain torchrun line."""
     names = [state.host.name for state in hosts]
     quoted = [name if re.fullmatch(r"[A-Za-z0-9_.@:-]+", name) else f"'{name}'" for name in names]
     overrides = [f"hydra.launcher.hosts=[{','.join(quoted)}]", "hydra.launcher.hostfile=null"]
@@ -547,7 +550,7 @@ def _placement(hosts: List[_HostState], devices: List[Optional[List[str]]]) -> P
         where += f", devices {share}"
     elif shares:
         where += " (all of each host's devices: they had different ones)"
-    return Placement(tuple(overrides), where)
+    return Placement(tuple(overrides), where, python)
 
 
 def _job_return(running: _Running) -> JobReturn:
