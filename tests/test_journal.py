@@ -9,6 +9,7 @@ launcher killed with -9) are in `test_record.py`, the terminal in `test_console.
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -193,7 +194,7 @@ def test_a_node_that_does_not_keep_the_record_writes_nothing(tmp_path: Path) -> 
 
 
 def _table(caplog: pytest.LogCaptureFixture) -> List[str]:
-    (message,) = [r.getMessage() for r in caplog.records if " jobs: " in r.getMessage()]
+    (message,) = [r.getMessage() for r in caplog.records if re.match(r"\d+ jobs?: ", r.getMessage())]
     return message.splitlines()
 
 
