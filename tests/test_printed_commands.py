@@ -1,5 +1,6 @@
-"""Break-it pass r4s5: what a user reads in torchrun_ssh's dry run and in a job dir's
-rerun.sh (real processes, the app written into tmp_path)."""
+"""The commands a user is shown are the ones to run: torchrun_ssh's dry run names the hosts'
+interpreter, a job dir's rerun.sh runs as `./rerun.sh` for whom the umask lets read it
+(real processes, the app written into tmp_path)."""
 
 import os
 import shlex

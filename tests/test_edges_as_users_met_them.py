@@ -1,5 +1,6 @@
-"""Break-it pass r4s4: what a user hit with torchrun_ssh's dry run, job_timeout and a
-Ctrl-C as a local sweep ends (real processes, real apps, real sshd hosts)."""
+"""Edges users met: a 2-host job past job_timeout whose first host had ended, torchrun_ssh's
+dry run pasted in a shell, a Ctrl-C as a local sweep ends (real processes, real apps, real
+sshd hosts)."""
 
 import shlex
 import signal
