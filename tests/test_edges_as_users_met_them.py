@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.ssh_hosts import SshHosts
-from tests.test_ssh import SWEEP_TIMEOUT_S, _nothing_left, _summary, _sweep, app_dir, hosts  # noqa: F401
+from tests.test_ssh import SWEEP_TIMEOUT_S, _nothing_left, _summary, _sweep, app_dir, hosts, ssh_dry_run  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,25 +82,9 @@ def test_the_dry_run_s_agent_line_is_a_pasteable_ssh_command(app_dir: Path, tmp_
     `-o ProxyCommand=ssh -W %h:%p jump` are split at their spaces. Expected: the remote
     command as one quoted word, each ssh option as one word, as torchrun's line is quoted."""
     config = tmp_path / "cfg dir" / "ssh config"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "app.py",
-            "--multirun",
-            "hydra/launcher=torchrun_ssh",
-            "hydra.sweep.dir=sweep",
-            "hydra.launcher.hosts=[host1,host2]",
-            f"hydra.launcher.ssh_options=[-F,'{config}',-o,'ProxyCommand=ssh -W %h:%p jump']",
-            "hydra.launcher.dry_run=true",
-            "x=1",
-        ],
-        cwd=app_dir,
-        capture_output=True,
-        text=True,
-        timeout=SWEEP_TIMEOUT_S,
+    output = ssh_dry_run(
+        app_dir, f"hydra.launcher.ssh_options=[-F,'{config}',-o,'ProxyCommand=ssh -W %h:%p jump']", "x=1"
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
     line = next(line for line in output.splitlines() if "each host's agent:" in line)
     words = shlex.split(line.split("each host's agent: ", 1)[1])
     assert words[:3] == ["ssh", "-T", "-o"], words

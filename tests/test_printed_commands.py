@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_ssh import ssh_dry_run
+
 pytestmark = pytest.mark.timeout(600)
 
 APP = """
@@ -46,26 +48,9 @@ def test_the_ssh_dry_run_s_torchrun_line_runs_the_hosts_python_under_a_launch_pr
     host's ranks run under that agent's interpreter. Expected: the host's torchrun line names
     the interpreter the host runs, `hydra.launcher.python`."""
     host_python = "/opt/envs/train/bin/python"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "app.py",
-            "--multirun",
-            "hydra/launcher=torchrun_ssh",
-            "hydra.sweep.dir=sweep",
-            "hydra.launcher.hosts=[host1,host2]",
-            f"hydra.launcher.python={host_python}",
-            "hydra.launcher.launch_prefix=[nice]",
-            "hydra.launcher.dry_run=true",
-            "x=1",
-        ],
-        cwd=app_dir,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    output = ssh_dry_run(
+        app_dir, f"hydra.launcher.python={host_python}", "hydra.launcher.launch_prefix=[nice]", "x=1"
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
     agent = next(line for line in output.splitlines() if "each host's agent:" in line)
     assert host_python in agent, agent
     line = next(line for line in output.splitlines() if "torchrun:" in line)

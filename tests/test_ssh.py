@@ -662,12 +662,9 @@ def test_the_ranks_of_a_two_host_job_are_told_apart_on_the_console_by_their_host
     _nothing_left(hosts)
 
 
-def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir: Path) -> None:
-    """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
-    torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
-    rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
-    run on each host, which the installed torchrun takes: a line per host, each naming its
-    node's own log dir (every host's named node 0's). Nothing starts: no host is asked."""
+def ssh_dry_run(app_dir: Path, *overrides: str) -> str:
+    """`app.py`'s dry run under torchrun_ssh on host1 and host2 (no host is asked), with
+    `overrides`; its console, once it ended with status 0."""
     result = subprocess.run(
         [
             sys.executable,
@@ -676,10 +673,8 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
             "hydra/launcher=torchrun_ssh",
             "hydra.sweep.dir=sweep",
             "hydra.launcher.hosts=[host1,host2]",
-            "hydra.launcher.nodes=${x}",
-            "hydra.launcher.nproc_per_node=2",
             "hydra.launcher.dry_run=true",
-            "x=2,1",
+            *overrides,
         ],
         cwd=app_dir,
         capture_output=True,
@@ -688,6 +683,16 @@ def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    return output
+
+
+def test_the_dry_run_shows_each_job_s_hosts_rendezvous_and_torchrun_line(app_dir: Path) -> None:
+    """The local launcher's dry run shows each job's rendezvous and its torchrun line; under
+    torchrun_ssh it showed only the job's ranks. Each job now says on which hosts it runs, its
+    rendezvous (c10d on the first host of a multi-host job) and the line plain torchrun would
+    run on each host, which the installed torchrun takes: a line per host, each naming its
+    node's own log dir (every host's named node 0's). Nothing starts: no host is asked."""
+    output = ssh_dry_run(app_dir, "hydra.launcher.nodes=${x}", "hydra.launcher.nproc_per_node=2", "x=2,1")
     assert not (app_dir / "sweep" / "0").exists(), output
     hosts = [line.strip() for line in output.splitlines() if line.strip().startswith("hosts:")]
     assert hosts == [
