@@ -115,7 +115,14 @@ def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
         assert len(value["hosts"]) == 2 and set(value["hosts"]) <= set(cluster.nodes), value
         # every rank saw what it sees under the local launcher, from its first line
         assert value["ranks_saw"] == [
-            {"rank_at_import": str(rank), "job_tag": f"job_{n}", "in_job_dir": True} for rank in range(4)
+            {
+                "rank_at_import": str(rank),
+                "job_tag": f"job_{n}",
+                "in_job_dir": True,
+                "output_subdir": ".hydra",
+                "cfg_x": n + 1,
+            }
+            for rank in range(4)
         ], value
         # Hydra's bookkeeping once per job, on its first node
         starts = (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split()

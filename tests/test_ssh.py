@@ -134,7 +134,14 @@ def test_two_host_jobs_run_their_ranks_on_both_hosts_with_values_in_order(
         assert jobs[n]["status"] == "COMPLETED", output
         assert value["x"] == n + 1 and value["world"] == 4 and value["hosts"] == ["host1", "host2"], value
         assert value["ranks_saw"] == [
-            {"rank_at_import": str(rank), "job_tag": f"job_{n}", "in_job_dir": True} for rank in range(4)
+            {
+                "rank_at_import": str(rank),
+                "job_tag": f"job_{n}",
+                "in_job_dir": True,
+                "output_subdir": ".hydra",
+                "cfg_x": n + 1,
+            }
+            for rank in range(4)
         ], value
         # Hydra's bookkeeping once per job, on its first host
         assert (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split() == ["host1"]

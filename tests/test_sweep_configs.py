@@ -2,9 +2,12 @@
 is made from an earlier job of the same shape (`_launcher.sweep_configs`), and must not differ
 from Hydra's own composition in a single line, nor in an error, on every supported Hydra."""
 
+import copy
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -15,9 +18,11 @@ from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf, open_dict, read_write
 
+from hydra_plugins.hydra_torchrun_launcher._launcher.resume import config_targets, fingerprint, task_container
 from hydra_plugins.hydra_torchrun_launcher._launcher.sweep_configs import SweepConfigs
+from hydra_plugins.hydra_torchrun_launcher.config import TorchrunLauncherConf
 
 VERSION_BASE: Dict[str, Any] = (
     {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
@@ -114,6 +119,60 @@ def _composed(config: Any) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def _run_job_task_cfg(config: Any) -> Any:
+    """The task's config as Hydra's run_job makes it: a copy of the job's, `hydra` deleted."""
+    task_cfg = copy.deepcopy(config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    return task_cfg
+
+
+def _task_text(task_cfg: Any) -> str:
+    """What the job's fingerprint reads of its task config (`_launcher.resume.fingerprint`)."""
+    return fingerprint("task", task_cfg, TorchrunLauncherConf(), {}).split("-")[1]
+
+
+class Colour(Enum):
+    RED = 1
+    BLUE = 2
+
+
+@dataclass
+class Schema:
+    colour: Colour = Colour.BLUE
+    where: Path = Path("out")
+    needed: int = MISSING
+    twice: int = "${needed}"  # type: ignore[assignment]
+    items: List[Any] = field(default_factory=lambda: [1, "${twice}", {"_target_": "pkg.mod.Cls"}])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: OmegaConf.structured(Schema),
+        lambda: OmegaConf.merge(OmegaConf.structured(Schema), {"colour": "RED", "needed": 3}),
+        lambda: OmegaConf.create(
+            {"a": r"\${not_an_interpolation}", "b": "${oc.env:HOME}", "c": None, "d": 1e-3}
+        ),
+        lambda: OmegaConf.create(
+            {"model": {"_target_": "models.Net", "layers": [{"_target_": "torch.nn.ReLU"}]}}
+        ),
+    ],
+    ids=["structured", "structured-merged", "escaped-env-none-float", "targets"],
+)
+def test_a_jobs_fingerprint_reads_its_task_config_as_run_job_makes_it(config: Any) -> None:
+    """The launcher fingerprints a job from its config without copying it whole
+    (`task_container`): the text, and the `_target_`s, are those of the copy run_job makes."""
+    merged = config()
+    with open_dict(merged):  # as Hydra adds its node to the app's config
+        merged.hydra = {"job": {"name": "app"}}
+    expected = _run_job_task_cfg(merged)
+    assert _task_text(task_container(merged)) == _task_text(expected)
+    assert config_targets(task_container(merged)) == config_targets(
+        OmegaConf.to_container(expected, resolve=False)  # type: ignore[arg-type]
+    )
+
+
 @pytest.fixture
 def config_dir(tmp_path: Path) -> Path:
     (tmp_path / "conf").mkdir()
@@ -148,7 +207,14 @@ def test_every_job_is_composed_as_hydra_composes_it(config_dir: Path, sweep_over
         configs.loader = type("Counted", (), {"load_sweep_config": staticmethod(counted)})()
         for job in JOBS:
             expected = _composed(lambda job=job: load_sweep_config(master, job))
-            assert _composed(lambda job=job: configs.compose(job)) == expected, job
+            made: List[Any] = []
+            assert (
+                _composed(lambda job=job, made=made: made.append(configs.compose(job)) or made[0]) == expected
+            ), job
+            if made:  # and its fingerprint reads the task config run_job would give the task
+                assert _task_text(task_container(made[0])) == _task_text(
+                    _run_job_task_cfg(load_sweep_config(master, job))
+                ), job
         assert configs.usable
     # most jobs came from a reference (here about 60 of 100 compositions are Hydra's: the
     # shapes are many and short; a grid has one or a few)

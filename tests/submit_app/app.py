@@ -2,9 +2,9 @@
 
 Returns (from global rank 0) the job's `x`, its world size, the hostnames its ranks ran
 on, the step it started from, whether it resumed, and what each rank saw (RANK at import,
-the job's env_set, its cwd); `fail_rank` makes that rank raise in
-the job of `x == fail_x`; `steps` > 0 runs a loop that stops at a step boundary when the launcher asks, rank 0
-writing a checkpoint in the job dir.
+the job's env_set, its cwd, its Hydra config's output_subdir, its config's x); `fail_rank`
+makes that rank raise in the job of `x == fail_x`; `steps` > 0 runs a loop that stops at a
+step boundary when the launcher asks, rank 0 writing a checkpoint in the job dir.
 """
 
 import json
@@ -53,6 +53,9 @@ def main(cfg: DictConfig) -> dict:
         "rank_at_import": RANK_AT_IMPORT,
         "job_tag": os.environ.get("JOB_TAG"),
         "in_job_dir": os.getcwd() == HydraConfig.get().runtime.output_dir,
+        # the job's Hydra config, as its first node's ranks see it (only that node writes `.hydra/`)
+        "output_subdir": HydraConfig.get().output_subdir,
+        "cfg_x": cfg.x,
     }
     views = all_gather_held(seen)
     dist.destroy_process_group()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import cloudpickle
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext
@@ -52,6 +53,20 @@ class JobRequest:
     ignored_signals: List[int]  # signals the launcher ignores: they stay ignored
     devices: Optional[List[str]]
     task_error: Optional[str]  # why the task function cannot travel to the ranks
+    # whether this node's run_job writes the job's `.hydra/` files (its first node's does;
+    # the others run it with `hydra.output_subdir: null`)
+    bookkeeping: bool = True
+
+
+class PickledOnce:
+    """A value cloudpickled once and carried by many requests (a launch's HydraContext):
+    pickled, it is its bytes; unpickled, the value again."""
+
+    def __init__(self, value: Any) -> None:
+        self.data = cloudpickle.dumps(value)
+
+    def __reduce__(self) -> Any:
+        return (cloudpickle.loads, (self.data,))
 
 
 def encode_request(request: JobRequest) -> bytes:
@@ -112,7 +127,7 @@ def run_request(request: JobRequest) -> JobReturn:
         _flush_loggers()
 
 
-def without_bookkeeping(config: DictConfig) -> DictConfig:
+def _without_bookkeeping(config: DictConfig) -> DictConfig:
     """The job's config for a node other than the one that writes the job's `.hydra/` files:
     Hydra's run_job writes none here (`hydra.output_subdir: null`)."""
     config = copy.deepcopy(config)
@@ -136,17 +151,28 @@ def _take_launcher_state(request: JobRequest) -> None:
 
 
 def _run(request: JobRequest) -> JobReturn:
+    payload = request.plan.payload
     # the ranks check instantiate() targets as run_job does here (Hydra 1.4)
-    request.plan.payload.execution_whitelist = getattr(request.hydra_context, "execution_whitelist", None)
+    payload.execution_whitelist = getattr(request.hydra_context, "execution_whitelist", None)
+    config = request.config
+    if not request.bookkeeping:
+        # the ranks see the job's HydraConfig as they do on its first node
+        payload.pickled_hydra_config = _pickled_hydra_config(config)
+        config = _without_bookkeeping(config)
 
     def distributed_task(task_cfg: DictConfig) -> Any:
-        # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start
+        # run_job has entered the job dir (hydra.job.chdir), applied env_set, fired on_job_start,
+        # set HydraConfig to the job's config: the ranks get its task config and HydraConfig
+        # (made here, not by the launcher: a sweep's launcher would pay for them every job)
+        payload.task_cfg = task_cfg
+        if not payload.pickled_hydra_config:
+            payload.pickled_hydra_config = cloudpickle.dumps(HydraConfig.instance())
         return run_agent_job(request.plan, request.devices, request.task_error)
 
     job_return = run_job(
         hydra_context=request.hydra_context,
         task_function=distributed_task,
-        config=request.config,
+        config=config,
         job_dir_key="hydra.sweep.dir",
         job_subdir_key="hydra.sweep.subdir",
     )
@@ -155,6 +181,13 @@ def _run(request: JobRequest) -> JobReturn:
         if account is not None:
             setattr(job_return, ACCOUNT_ATTR, account)
     return job_return
+
+
+def _pickled_hydra_config(config: DictConfig) -> bytes:
+    """HydraConfig set to `config`, cloudpickled, as run_job sets it (its output dir was set
+    by the launcher already)."""
+    HydraConfig.instance().set_config(config)
+    return cloudpickle.dumps(HydraConfig.instance())
 
 
 def pickled_return(job_return: JobReturn) -> bytes:

@@ -10,25 +10,24 @@ Hydra's joblib launcher is the model: its `_core.launch` owns the lifecycle.
 """
 
 import contextlib
-import copy
 import logging
 import os
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Deque, Dict, FrozenSet, Iterator, List, Optional, Protocol, Sequence, Set
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from .._job.launch_config import counted_by_torch, local_world_size, rendezvous_for
 from .._job.preempt import JobPreempted
-from .._job.process import JobRequest, encode_request, without_bookkeeping
+from .._job.process import JobRequest, PickledOnce, encode_request
 from .._rank.carried_exception import ended_by_stop
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -49,6 +48,7 @@ from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_titl
 from .reproduce import write_rerun_script
 from .resume import (
     Record,
+    config_targets,
     continuing_in_place,
     fingerprint,
     log_resumption,
@@ -57,6 +57,7 @@ from .resume import (
     resumption,
     save_return,
     targets_digest,
+    task_container,
     task_digest,
 )
 from .runner import Placement, Runner, SweepDetached
@@ -167,6 +168,8 @@ class Composer:
         self.task = task_digest(launcher.task_function)
         self.notes: Set[str] = set()
         self.pickled_state = _launch_state()
+        # the digest of the project modules each set of `_target_`s names (`targets_digest`)
+        self.targets_digests: Dict[FrozenSet[str], str] = {}
 
     def compose(self, job: PendingJob) -> "tuple[JobPlan, DictConfig]":
         config = _compose(self.launcher, job.overrides, job.idx)
@@ -184,8 +187,13 @@ class Composer:
                 raise LauncherConfigError(f"job #{job.idx} ({shown}): {_one_line(e)}") from e
         # with the project's modules that the job's `_target_`s name (instantiate imports them later)
         assert self.launcher.task_function is not None
-        code = self.task + targets_digest(self.launcher.task_function, plan.payload.task_cfg)
-        plan.fingerprint = fingerprint(code, plan.payload.task_cfg, plan.settings.conf, plan.env_set)
+        task = task_container(config)
+        targets = config_targets(task)
+        if targets not in self.targets_digests:
+            self.targets_digests[targets] = targets_digest(self.launcher.task_function, targets)
+        plan.fingerprint = fingerprint(
+            self.task + self.targets_digests[targets], task, settings.conf, plan.env_set
+        )
         for line in (note, shadowed_redirects(settings.conf)):
             if line and line not in self.notes:  # once a sweep
                 self.notes.add(line)
@@ -238,6 +246,8 @@ class _Launch:
         self.pending: Deque[PendingJob] = deque()
         # the JobReturns of jobs refused, or taken from the record
         self.returns: Dict[int, JobReturn] = {}
+        # Hydra's context (config loader, callbacks) as every job's request carries it
+        self.hydra_context = PickledOnce(launcher.hydra_context)
 
     def run(self) -> List[JobReturn]:
         """Resume what the record has done, run the rest; a stop signal ends the sweep."""
@@ -398,17 +408,17 @@ class _Launch:
             write_rerun_script(plan, config, devices, placed)
         if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
             (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
-        assert self.launcher.hydra_context is not None
         return encode_request(
             JobRequest(
                 plan=plan,
-                config=config if self.writes else without_bookkeeping(config),
-                hydra_context=self.launcher.hydra_context,
+                config=config,
+                hydra_context=self.hydra_context,  # type: ignore[arg-type]
                 environ=environ,
                 cwd=os.getcwd(),
                 ignored_signals=ignored_signals,
                 devices=devices,
                 task_error=self.composer.task_error,
+                bookkeeping=self.writes,
             )
         )
 
@@ -513,9 +523,6 @@ def _plan(
     """
     idx = int(config.hydra.job.num)
     output_dir = Path(config.hydra.runtime.output_dir)
-    task_cfg = copy.deepcopy(config)
-    with read_write(task_cfg), open_dict(task_cfg):
-        del task_cfg["hydra"]
     # 0: counted by each host's torch as the node starts there (`JobSettings.on_hosts`)
     nproc = 0 if settings.on_hosts and counted_by_torch(settings) else local_world_size(settings)
     job_logging = (
@@ -536,8 +543,7 @@ def _plan(
         payload=RankPayload(
             pickled_task=pickled_task,
             pickled_state=launch_state or cloudpickle.dumps(Singleton.get_state()),
-            pickled_hydra_config=cloudpickle.dumps(HydraConfig.instance()) if launch_state else b"",
-            task_cfg=task_cfg,
+            task_cfg=None,  # with HydraConfig, the job's process makes it as run_job does
             job_logging=job_logging,  # type: ignore[arg-type]
             job_num=idx,
             overrides=overrides,
@@ -555,9 +561,12 @@ def _plan(
 
 @contextlib.contextmanager
 def _hydra_config(config: DictConfig) -> Iterator[None]:
-    """HydraConfig set to one job's config for a moment (interpolations, state capture)."""
+    """HydraConfig holding one job's config for a moment, so that `${hydra:...}` in its
+    launcher keys reads the job's. The config itself, not the read-only copy of its `hydra`
+    node that `HydraConfig.set_config` makes (a deep copy, every job): the job's process
+    sets HydraConfig as run_job does."""
     previous = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(config)
+    HydraConfig.instance().cfg = config  # type: ignore[assignment]
     try:
         yield
     finally:

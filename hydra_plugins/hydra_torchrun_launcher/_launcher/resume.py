@@ -36,7 +36,7 @@ import stat
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set
 
 import cloudpickle
 from hydra.core.utils import JobReturn
@@ -377,7 +377,17 @@ def _imports_in_file(path: str) -> Set[str]:
     return names
 
 
-def config_targets(task_cfg: DictConfig) -> Set[str]:
+def task_container(config: DictConfig) -> Dict[str, Any]:
+    """The task's config (the job's without `hydra`), unresolved, as plain containers: what
+    the job's fingerprint and `_target_`s are read from, without the copy of the whole
+    config that run_job makes (the job's process makes it)."""
+    container = OmegaConf.to_container(config, resolve=False, enum_to_str=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    return container  # type: ignore[return-value]
+
+
+def config_targets(task: Dict[str, Any]) -> FrozenSet[str]:
     """The modules that the config's `_target_`s name (`models.Net` -> `models`,
     `models.Net`): what Hydra's `instantiate` imports when the task runs."""
     names: Set[str] = set()
@@ -394,18 +404,18 @@ def config_targets(task_cfg: DictConfig) -> Set[str]:
             for value in node:
                 walk(value)
 
-    walk(OmegaConf.to_container(task_cfg, resolve=False))
-    return names
+    walk(task)
+    return frozenset(names)
 
 
-def targets_digest(task_function: Any, task_cfg: DictConfig) -> str:
-    """The project's modules (below the task's dir) that the config's `_target_`s name and
-    the task has not imported yet, digested; "" when there are none."""
+def targets_digest(task_function: Any, targets: FrozenSet[str]) -> str:
+    """The project's modules (below the task's dir) that `targets` (`config_targets`) name
+    and the task has not imported yet, digested; "" when there are none."""
     target = task_function
     while hasattr(target, "func") and hasattr(target, "args"):  # functools.partial
         target = target.func
     task_file = _source_file(inspect.unwrap(target))
-    modules = [m for m in _project_modules(task_file, config_targets(task_cfg)) if m[0] not in sys.modules]
+    modules = [m for m in _project_modules(task_file, targets) if m[0] not in sys.modules]
     if not modules:
         return ""
     digest = hashlib.sha1()
@@ -469,13 +479,14 @@ def _project_modules(
     return sorted(found)
 
 
-def fingerprint(task: str, task_cfg: DictConfig, settings: Any, env_set: Mapping[str, str]) -> str:
+def fingerprint(task: str, task_cfg: Any, settings: Any, env_set: Mapping[str, str]) -> str:
     """What a job computes, a short digest per part (`_FINGERPRINT_PARTS`, joined by `-`, so
     that a record can say which part changed): the task's digest (`task_digest`), its config
     as composed, unresolved (so that `${now:}` and the like do not make a requeued run another
     job), the launcher's settings (`settings`: the job's TorchrunLauncherConf, but for how and
     where the sweep runs and what it shows), env_set (resolved), and the values of the
-    environment variables that config reads (`oc.env`)."""
+    environment variables that config reads (`oc.env`). `task_cfg`: the task's config, or
+    its `task_container`."""
     text = OmegaConf.to_yaml(task_cfg, resolve=False)
     read = {name: os.environ.get(name) for name in sorted(set(_ENV_READ.findall(text)))}
     launcher = {k: v for k, v in asdict(settings).items() if k not in _NOT_FINGERPRINTED}

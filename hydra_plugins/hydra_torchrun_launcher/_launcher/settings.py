@@ -4,7 +4,9 @@ Every check here runs before any process of the sweep starts, and every refusal 
 line naming the key at fault and what it accepts. Nothing here needs torch.
 """
 
+import collections
 import functools
+import json
 import math
 import re
 import shutil
@@ -45,6 +47,28 @@ def resolve_settings(launcher_cfg: DictConfig, on_hosts: bool = False) -> JobSet
     (`on_hosts`: but what only each host can tell, see `JobSettings.on_hosts`)."""
     raw = OmegaConf.to_container(launcher_cfg, resolve=True)
     assert isinstance(raw, dict)
+    return _settings(raw, on_hosts)  # type: ignore[arg-type]
+
+
+# the settings of the launcher configs seen last, by their resolved values: the jobs of a
+# sweep mostly share theirs, and checking them again cost each job ~10 ms
+_SEEN: "collections.OrderedDict[str, JobSettings]" = collections.OrderedDict()
+_SEEN_MOST = 64
+
+
+def _settings(raw: Dict[str, Any], on_hosts: bool) -> JobSettings:
+    """`raw` (a resolved `hydra.launcher`) checked and parsed; refused as `_checked` says."""
+    key = json.dumps([raw, on_hosts], sort_keys=True, default=repr)
+    settings = _SEEN.get(key)
+    if settings is None:
+        settings = _checked(raw, on_hosts)
+        _SEEN[key] = settings
+        if len(_SEEN) > _SEEN_MOST:
+            _SEEN.popitem(last=False)
+    return settings
+
+
+def _checked(raw: Dict[str, Any], on_hosts: bool) -> JobSettings:
     known = {f.name for f in fields(TorchrunLauncherConf)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -68,7 +92,7 @@ def placed_job_settings(
     if nodes > 1:
         raw.update(rdzv_backend="c10d", rdzv_endpoint=first_node_endpoint)
     try:
-        return resolve_settings(OmegaConf.create(raw), on_hosts)
+        return _settings(raw, on_hosts)
     except LauncherConfigError as e:
         if "nnodes" in str(e):
             raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None

@@ -213,7 +213,7 @@ def hydra_state(payload: RankPayload) -> Dict[str, Any]:
     """Hydra's Singleton state as the job's world has it: the launch's, with the job's
     HydraConfig in its place (`RankPayload.pickled_hydra_config`), and the plugin scan."""
     state = cloudpickle.loads(payload.pickled_state)
-    if payload.pickled_hydra_config:
+    if payload.pickled_hydra_config and isinstance(state, dict) and isinstance(state.get("instances"), dict):
         state = {
             **state,
             "instances": {**state["instances"], HydraConfig: cloudpickle.loads(payload.pickled_hydra_config)},

@@ -76,11 +76,13 @@ class RankPayload:
     # Hydra's Singleton state, cloudpickled: the launch's, shared by its jobs (with
     # `pickled_hydra_config`), or, where that is empty, this job's whole
     pickled_state: bytes
-    task_cfg: DictConfig
+    # the task's config, as run_job gives it the task: set by the job's process (`_job.process`)
+    task_cfg: Optional[DictConfig]
     job_logging: Optional[Dict[str, Any]]  # hydra.job_logging, resolved
     job_num: int
     overrides: List[str]
-    # this job's HydraConfig (its config), cloudpickled: HydraConfig's place in `pickled_state`
+    # this job's HydraConfig (its config), cloudpickled: HydraConfig's place in
+    # `pickled_state`; set by the job's process, as run_job sets it
     pickled_hydra_config: bytes = b""
     failure_grace_s: float = 0.0  # see `_rank.worker._linger_before_failing`
     # the launcher's stop signal: the job's process acts on it, the rank ignores it

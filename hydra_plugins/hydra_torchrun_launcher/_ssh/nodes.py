@@ -11,7 +11,7 @@ it imports nothing of the launcher process.
 import dataclasses
 from typing import Any, Dict, List, Optional
 
-from .._job.process import decode_request, encode_request, without_bookkeeping
+from .._job.process import decode_request, encode_request
 
 
 class NoCallbacks:
@@ -45,6 +45,6 @@ def node_request(
     plan.host = host
     request.environ = environ
     request.devices = devices
-    request.config = without_bookkeeping(request.config)
+    request.bookkeeping = False
     request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=NoCallbacks())
     return encode_request(request)

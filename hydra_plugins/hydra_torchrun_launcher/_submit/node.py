@@ -49,7 +49,7 @@ from hydra.core.utils import JobReturn, JobStatus
 
 from .._job.failure_report import JobFailedError
 from .._job.preempt import JobPreempted
-from .._job.process import decode_request, pickled_return, run_request, without_bookkeeping
+from .._job.process import decode_request, pickled_return, run_request
 from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
@@ -121,7 +121,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     request.environ = dict(environ)
     request.ignored_signals = []
     if node != 0:
-        request.config = without_bookkeeping(request.config)
+        request.bookkeeping = False
         request.hydra_context = dataclasses.replace(request.hydra_context, callbacks=_NoCallbacks())
     # multiprocessing's resource tracker (the ranks' shared memory), started while USR2 is held:
     # it keeps it held, so SLURM's notice, which reaches every process of the job, does not
