@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
 
 from .._job.agent import job_log_dir
-from .._job.failure_report import JobFailedError
+from .._job.failure_report import failed_return, process_end
 from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
@@ -176,14 +176,9 @@ def _job_return(server: WarmServer, job: RunningJob, plan: JobPlan) -> JobReturn
     status = server.wait_exit(job.pid)
     if job.data:
         return cloudpickle.loads(b"".join(job.data))
-    if os.WIFSIGNALED(status):
-        how = f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
-    else:
-        how = f"exited with code {os.waitstatus_to_exitcode(status)}"
+    how = process_end(status)
     lines = [f"the job's process (pid {job.pid}) {how} before reporting a result", *_ranks_output(plan)]
-    failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError("\n".join(lines))
-    return failed
+    return failed_return("\n".join(lines))
 
 
 def _ranks_output(plan: JobPlan) -> List[str]:

@@ -64,8 +64,7 @@ _RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Where a hydra-torchrun-launcher sweep stands; cancel its SLURM jobs.",
+        prog=PROG, description="Where a hydra-torchrun-launcher sweep stands; cancel its SLURM jobs."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{status,cancel}")
     status = sub.add_parser("status", help="where the sweep in DIR stands, a line per job")
