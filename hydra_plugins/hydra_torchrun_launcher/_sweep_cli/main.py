@@ -34,12 +34,21 @@ SUBMITTED (squeue could not say); `recorded` is the record's status.
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .._launcher.report import COMPLETED, job_numbers, jobs_counted
+from .._launcher.report import (
+    COMPLETED,
+    aligned,
+    cut_cell,
+    failure_cell,
+    job_numbers,
+    jobs_counted,
+    number_runs,
+    short_cell,
+    status_word,
+)
 from .._shared import slurm_commands
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -57,9 +66,6 @@ from .state import (
 )
 
 PROG = "torchrun-sweep"
-_CELL_WIDTH = 60
-# the failure's first line as the launcher's table shows it: without the pid and local rank
-_RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -125,7 +131,7 @@ def as_text(view: SweepView) -> str:
     """The sweep's line, its counts, then a row per job."""
     kind = {"slurm": "a SLURM", "ssh": "an ssh"}.get(view.runner, "a local")
     lines = [f"{shown_path(str(view.sweep_dir))}: {kind} sweep, {_stage(view)}"]
-    tally = ", ".join(f"{count} {_word(state)}" for state, count in view.counts.items())
+    tally = ", ".join(f"{count} {status_word(state)}" for state, count in view.counts.items())
     lines.append(f"{jobs_counted(len(view.jobs))}: {tally}")
     if view.squeue_error:
         lines.append(f"{view.squeue_error}: where its SLURM jobs stand is not known")
@@ -133,23 +139,22 @@ def as_text(view: SweepView) -> str:
     rows = [["#", "state", *(["SLURM id"] if slurm else []), "elapsed", "overrides", "result"]]
     for job in view.jobs:
         if job.state == COMPLETED:
-            result = _short(job.return_value)
+            result = short_cell(job.return_value)
         elif job.error:
-            result = _cut(_RANK_DETAIL.sub("", job.error.split("\n", 1)[0]))
+            result = failure_cell(job.error)
         else:
-            result = _cut(job.note or "")
+            result = cut_cell(job.note or "")
         rows.append(
             [
                 str(job.num),
                 job.state,
                 *([job.slurm_id or ""] if slurm else []),
                 _elapsed(job.elapsed_s),
-                _cut(" ".join(shown_overrides(job.overrides, view.varying))),
+                cut_cell(" ".join(shown_overrides(job.overrides, view.varying))),
                 result,
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += aligned(rows)
     return "\n".join(lines)
 
 
@@ -168,11 +173,6 @@ def _stage(view: SweepView) -> str:
     return "ended"
 
 
-def _word(state: str) -> str:
-    """NOT_STARTED -> "not started", as the launcher's lines say it."""
-    return state.lower().replace("_", " ")
-
-
 def _elapsed(seconds: Optional[float]) -> str:
     """0.95s, 42s, 3m04s, 2h05m, 1d02h."""
     if seconds is None:
@@ -185,14 +185,6 @@ def _elapsed(seconds: Optional[float]) -> str:
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
-
-
-def _short(value: Any) -> str:
-    return _cut(value if isinstance(value, str) else json.dumps(value, default=repr))
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
 
 
 # -- cancel --------------------------------------------------------------------------------
@@ -245,13 +237,7 @@ def slurm_ids(ids: List[str]) -> str:
             others.append(slurm_id)
     shown = []
     for array, numbers in tasks.items():
-        runs: List[List[int]] = []
-        for n in sorted(numbers):
-            if runs and n == runs[-1][1] + 1:
-                runs[-1][1] = n
-            else:
-                runs.append([n, n])
-        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in number_runs(numbers))
         shown.append(f"{array}_{parts}" if len(numbers) == 1 else f"{array}_[{parts}]")
     return ", ".join(shown + others)
 
