@@ -66,6 +66,8 @@ from .state import (
 )
 
 PROG = "torchrun-sweep"
+# a job's keys in `status --json`, in their order (then its job dir)
+_JOB_KEYS = "num state recorded slurm_id nodes elapsed_s overrides return_value error note".split()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -109,19 +111,7 @@ def as_json(view: SweepView) -> Dict[str, Any]:
         "varying": view.varying,
         "squeue_error": view.squeue_error,
         "jobs": [
-            {
-                "num": job.num,
-                "state": job.state,
-                "recorded": job.recorded,
-                "slurm_id": job.slurm_id,
-                "nodes": job.nodes,
-                "elapsed_s": job.elapsed_s,
-                "overrides": job.overrides,
-                "return_value": job.return_value,
-                "error": job.error,
-                "note": job.note,
-                "job_dir": job.job_dir or None,
-            }
+            {**{key: getattr(job, key) for key in _JOB_KEYS}, "job_dir": job.job_dir or None}
             for job in view.jobs
         ],
     }
