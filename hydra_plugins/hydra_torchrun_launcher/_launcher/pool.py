@@ -34,6 +34,7 @@ from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
 from .preempt import StopNotice, StopRequest
+from .runner import hard_limit_s
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ def run_jobs(
     parallel_jobs: int,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
-    hard_limit_s: Callable[[Any], Optional[float]],
     on_start: Callable[[Any, Optional[List[str]]], None],
     on_end: Callable[[Any, JobReturn, bool], None],
     notice: StopNotice,
@@ -87,7 +87,7 @@ def run_jobs(
     when a slot is free for it; the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
-    starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
+    starts; past `hard_limit_s(job)` its process is killed outright.
     `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
     starts and ends (`stopped`: it ended after a stop signal). Once `notice` is received (the
     stop signal, or a job preempted), it is passed on to the running jobs and no job starts.
@@ -115,7 +115,7 @@ def run_jobs(
                         break
                     job = by_idx[waiting.idx] = waiting
                     on_start(job, taken)
-                    running[job.idx] = _start(server, job, taken, request_for, hard_limit_s)
+                    running[job.idx] = _start(server, job, taken, request_for)
                     # a signal that came as it started, after the checks above, reaches it too
                     if stop.signum is not None:
                         _signal(running[job.idx].pid, stop.signum)
@@ -156,7 +156,6 @@ def _start(
     job: Any,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
-    hard_limit_s: Callable[[Any], Optional[float]],
 ) -> RunningJob:
     request = request_for(job, devices)
     payload_r, payload_w = os.pipe()

@@ -43,7 +43,7 @@ from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_not
 from .._launcher.preload import preload_modules, varying_variables
 from .._launcher.report import jobs_counted
 from .._launcher.reproduce import plain_torchrun_line
-from .._launcher.runner import JobEvents, JobFeed, Placement
+from .._launcher.runner import JobEvents, JobFeed, Placement, hard_limit_s
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, Rendezvous
@@ -54,9 +54,6 @@ from .options import SWEEP_WIDE, SshOptions, split_launcher_config
 from .wire import HEARTBEAT_S, SILENCE_S
 
 log = logging.getLogger(__name__)
-
-# after its job_timeout, how long a job process may take beyond its ranks' shutdown
-_STOP_MARGIN_S = 30.0
 
 
 class SshRunner:
@@ -435,7 +432,7 @@ class _Sweep:
         self.events.started(plan, f" on {where}", [state.host.name for state in hosts])
         running = _Running(plan, hosts, devices, set(range(len(hosts))))
         self.running[plan.idx] = running
-        limit = _hard_limit_s(plan)
+        limit = hard_limit_s(plan)
         for node, state in enumerate(hosts):
             node_bytes = (
                 request
@@ -583,11 +580,3 @@ def _write_back(job_dir: Path, files: List[Tuple[str, bytes, int]], first: bool)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
         os.chmod(target, mode)
-
-
-def _hard_limit_s(plan: JobPlan) -> Optional[float]:
-    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
-    conf = plan.settings.conf
-    if conf.job_timeout is None:
-        return None
-    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S
