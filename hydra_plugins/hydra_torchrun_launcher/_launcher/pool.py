@@ -33,6 +33,7 @@ from .._job.failure_report import failed_return, process_end
 from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
+from .._shared.signals import send_signal
 from .preempt import StopNotice, StopRequest
 from .runner import hard_limit_s
 
@@ -101,7 +102,7 @@ def run_jobs(
 
     def forward(sig: int) -> None:
         for job in running.values():
-            _signal(job.pid, sig)
+            send_signal(job.pid, sig)
 
     stop = StopRequest(forward, notice.signum)
     notice.forward = forward
@@ -118,9 +119,9 @@ def run_jobs(
                     running[job.idx] = _start(server, job, taken, request_for)
                     # a signal that came as it started, after the checks above, reaches it too
                     if stop.signum is not None:
-                        _signal(running[job.idx].pid, stop.signum)
+                        send_signal(running[job.idx].pid, stop.signum)
                     elif notice.received and notice.signum is not None:
-                        _signal(running[job.idx].pid, notice.signum)
+                        send_signal(running[job.idx].pid, notice.signum)
                     selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
                     # composed while the job just started comes up: ready for the next free slot
                     waiting = jobs.next()
@@ -143,7 +144,7 @@ def run_jobs(
     finally:
         if running:  # the launcher itself failed: take the running jobs down with it
             for job in running.values():
-                _signal(job.pid, signal.SIGKILL)
+                send_signal(job.pid, signal.SIGKILL)
             for job in running.values():
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
@@ -157,16 +158,7 @@ def _start(
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
 ) -> RunningJob:
-    request = request_for(job, devices)
-    payload_r, payload_w = os.pipe()
-    result_r, result_w = os.pipe()
-    try:
-        pid = server.start_job(payload_r, result_w)
-    finally:
-        os.close(payload_r)
-        os.close(result_w)
-    with os.fdopen(payload_w, "wb") as f:
-        f.write(request)
+    pid, result_r = server.start_job(request_for(job, devices))
     limit = hard_limit_s(job)
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 
@@ -206,12 +198,5 @@ def _kill_overdue(running: Dict[int, RunningJob]) -> None:
     for job in running.values():
         if job.kill_after is not None and now >= job.kill_after:
             log.warning(f"job #{job.idx}: its process did not end after its job_timeout; killing it")
-            _signal(job.pid, signal.SIGKILL)
+            send_signal(job.pid, signal.SIGKILL)
             job.kill_after = None
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
