@@ -355,15 +355,9 @@ class SweepReport:
             else:
                 result = failure_cell(outcome.error)
             duration = "" if outcome.duration_s is None else f"{outcome.duration_s:.2f}s"
+            job_dir = shown_path(outcome.job_dir) if outcome.job_dir else "-"
             rows.append(
-                [
-                    str(num),
-                    outcome.status,
-                    duration,
-                    cut_cell(shown(outcome.overrides)),
-                    result,
-                    shown_path(outcome.job_dir) if outcome.job_dir else "-",
-                ]
+                [str(num), outcome.status, duration, cut_cell(shown(outcome.overrides)), result, job_dir]
             )
         return "\n".join(aligned(rows))
 
@@ -410,14 +404,10 @@ class SweepReport:
             if not nums:
                 continue
             listed = job_numbers(nums)
-            if status == PREEMPTED:
+            if status in (PREEMPTED, STOPPED):
                 dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
-                parts.append(f"preempted {listed} (continues in {dirs})")
-            elif status == STOPPED:
-                dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
-                parts.append(f"stopped {listed} (logs in {dirs})")
-            else:
-                parts.append(f"{status_word(status)} {listed}")
+                listed += f" (continues in {dirs})" if status == PREEMPTED else f" (logs in {dirs})"
+            parts.append(f"{status_word(status)} {listed}")
         return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
 
 
