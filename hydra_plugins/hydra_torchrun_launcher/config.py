@@ -252,13 +252,8 @@ def _store(name: str, conf: type) -> None:
     nested dicts of ConfigNode), it is stored as Hydra documents, at once."""
     store = ConfigStore.instance()
     group = "hydra/launcher"
-    if not isinstance(getattr(store, "repo", None), dict) or [f.name for f in fields(ConfigNode)] != [
-        "name",
-        "node",
-        "group",
-        "package",
-        "provider",
-    ]:
+    known = ["name", "node", "group", "package", "provider"]
+    if not isinstance(getattr(store, "repo", None), dict) or [f.name for f in fields(ConfigNode)] != known:
         store.store(group=group, name=name, node=_defaults(conf), provider="hydra_torchrun_launcher")
         return
     entries = store.repo

@@ -41,13 +41,7 @@ class TorchrunLauncher(Launcher):
         # whether the one-line Ctrl-C/SIGTERM handlers of the sweep are installed (at setup)
         self._stops_handled = False
 
-    def setup(
-        self,
-        *,
-        hydra_context: HydraContext,
-        task_function: TaskFunction,
-        config: DictConfig,
-    ) -> None:
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
         self.hydra_context = hydra_context
         self.task_function = task_function

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.errors import CompactHydraException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -89,6 +90,20 @@ class JobPastDeadline(JobFailedError):
 class JobStopped(JobFailedError):
     """A job ended by a stop signal (Ctrl-C, SIGTERM) before anything of its own failed:
     the launcher records it STOPPED (it runs again when the sweep resumes)."""
+
+
+def failed_return(message: str) -> JobReturn:
+    """A FAILED JobReturn whose error says `message` (a job that left no result of its own)."""
+    failed = JobReturn(status=JobStatus.FAILED)
+    failed.return_value = JobFailedError(message)
+    return failed
+
+
+def process_end(status: int) -> str:
+    """How a job's process ended, from its wait status: "was killed by signal SIGKILL"."""
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"
 
 
 def failed_before_stop(

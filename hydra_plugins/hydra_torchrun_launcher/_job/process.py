@@ -36,7 +36,7 @@ from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals, take_dispositions
 from . import preempt
 from .agent import run_agent_job
-from .failure_report import JobFailedError, account_for
+from .failure_report import account_for, failed_return
 
 _FRAME = struct.Struct("=q")
 
@@ -105,13 +105,11 @@ def _unreadable_request(error: Exception) -> JobReturn:
     the launcher's own."""
     import socket
 
-    failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError(
+    return failed_return(
         f"the job could not start on {socket.gethostname()}: its request names the app's code, which "
         f"could not be loaded there from {os.getcwd()} ({type(error).__name__}: {error}); "
         "the app's files must be at the same path on every host"
     )
-    return failed
 
 
 def run_request(request: JobRequest) -> JobReturn:

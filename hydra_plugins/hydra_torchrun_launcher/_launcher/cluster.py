@@ -34,12 +34,7 @@ __all__ = [
 ]
 
 # the environments `auto` looks for, in its order
-ENVIRONMENTS = (
-    ("slurm", cluster_slurm),
-    ("pet", cluster_pet),
-    ("mpi", cluster_mpi),
-    ("lsf", cluster_lsf),
-)
+ENVIRONMENTS = (("slurm", cluster_slurm), ("pet", cluster_pet), ("mpi", cluster_mpi), ("lsf", cluster_lsf))
 
 
 def detect(cluster: str, environ: Mapping[str, str]) -> Optional[ClusterLayout]:

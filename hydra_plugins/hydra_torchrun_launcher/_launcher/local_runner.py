@@ -31,9 +31,6 @@ from .settings import check_node_rank, resolve_settings
 
 log = logging.getLogger(__name__)
 
-# after its job_timeout, how long a job process may take beyond its ranks' shutdown
-_STOP_MARGIN_S = 30.0
-
 # keys that shape the whole sweep rather than one job: every job must agree on them
 _SWEEP_WIDE_KEYS = ("parallel_jobs", "devices", "preload", "dry_run", "stop_signal", "requeue", "resume")
 
@@ -136,7 +133,6 @@ class LocalRunner:
             self.parallel_jobs,
             self.devices,
             request_for,
-            _hard_limit_s,
             on_start,
             events.ended,
             self.notice,
@@ -147,14 +143,6 @@ class LocalRunner:
 
     def stopped_words(self) -> str:
         return "the sweep was stopped: "
-
-
-def _hard_limit_s(plan: JobPlan) -> Optional[float]:
-    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
-    conf = plan.settings.conf
-    if conf.job_timeout is None:
-        return None
-    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S
 
 
 def _keys_set(config: DictConfig) -> Set[str]:

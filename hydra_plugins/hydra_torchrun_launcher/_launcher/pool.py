@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
 
 from .._job.agent import job_log_dir
-from .._job.failure_report import JobFailedError
+from .._job.failure_report import failed_return, process_end
 from .._server.server import WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
+from .._shared.signals import send_signal
 from .preempt import StopNotice, StopRequest
+from .runner import hard_limit_s
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,6 @@ def run_jobs(
     parallel_jobs: int,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
-    hard_limit_s: Callable[[Any], Optional[float]],
     on_start: Callable[[Any, Optional[List[str]]], None],
     on_end: Callable[[Any, JobReturn, bool], None],
     notice: StopNotice,
@@ -87,7 +88,7 @@ def run_jobs(
     when a slot is free for it; the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
-    starts; `hard_limit_s(job)` the seconds after which its process is killed outright.
+    starts; past `hard_limit_s(job)` its process is killed outright.
     `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
     starts and ends (`stopped`: it ended after a stop signal). Once `notice` is received (the
     stop signal, or a job preempted), it is passed on to the running jobs and no job starts.
@@ -101,7 +102,7 @@ def run_jobs(
 
     def forward(sig: int) -> None:
         for job in running.values():
-            _signal(job.pid, sig)
+            send_signal(job.pid, sig)
 
     stop = StopRequest(forward, notice.signum)
     notice.forward = forward
@@ -115,12 +116,12 @@ def run_jobs(
                         break
                     job = by_idx[waiting.idx] = waiting
                     on_start(job, taken)
-                    running[job.idx] = _start(server, job, taken, request_for, hard_limit_s)
+                    running[job.idx] = _start(server, job, taken, request_for)
                     # a signal that came as it started, after the checks above, reaches it too
                     if stop.signum is not None:
-                        _signal(running[job.idx].pid, stop.signum)
+                        send_signal(running[job.idx].pid, stop.signum)
                     elif notice.received and notice.signum is not None:
-                        _signal(running[job.idx].pid, notice.signum)
+                        send_signal(running[job.idx].pid, notice.signum)
                     selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
                     # composed while the job just started comes up: ready for the next free slot
                     waiting = jobs.next()
@@ -143,7 +144,7 @@ def run_jobs(
     finally:
         if running:  # the launcher itself failed: take the running jobs down with it
             for job in running.values():
-                _signal(job.pid, signal.SIGKILL)
+                send_signal(job.pid, signal.SIGKILL)
             for job in running.values():
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
@@ -156,18 +157,8 @@ def _start(
     job: Any,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
-    hard_limit_s: Callable[[Any], Optional[float]],
 ) -> RunningJob:
-    request = request_for(job, devices)
-    payload_r, payload_w = os.pipe()
-    result_r, result_w = os.pipe()
-    try:
-        pid = server.start_job(payload_r, result_w)
-    finally:
-        os.close(payload_r)
-        os.close(result_w)
-    with os.fdopen(payload_w, "wb") as f:
-        f.write(request)
+    pid, result_r = server.start_job(request_for(job, devices))
     limit = hard_limit_s(job)
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 
@@ -176,14 +167,9 @@ def _job_return(server: WarmServer, job: RunningJob, plan: JobPlan) -> JobReturn
     status = server.wait_exit(job.pid)
     if job.data:
         return cloudpickle.loads(b"".join(job.data))
-    if os.WIFSIGNALED(status):
-        how = f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
-    else:
-        how = f"exited with code {os.waitstatus_to_exitcode(status)}"
+    how = process_end(status)
     lines = [f"the job's process (pid {job.pid}) {how} before reporting a result", *_ranks_output(plan)]
-    failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError("\n".join(lines))
-    return failed
+    return failed_return("\n".join(lines))
 
 
 def _ranks_output(plan: JobPlan) -> List[str]:
@@ -212,12 +198,5 @@ def _kill_overdue(running: Dict[int, RunningJob]) -> None:
     for job in running.values():
         if job.kill_after is not None and now >= job.kill_after:
             log.warning(f"job #{job.idx}: its process did not end after its job_timeout; killing it")
-            _signal(job.pid, signal.SIGKILL)
+            send_signal(job.pid, signal.SIGKILL)
             job.kill_after = None
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

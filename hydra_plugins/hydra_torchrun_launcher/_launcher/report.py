@@ -187,7 +187,7 @@ class SweepReport:
             outcome = self.outcomes[num]
             log.info(
                 f"\t{job_title(num, outcome.overrides)} : COMPLETED in an earlier run, "
-                f"returned {_short(outcome.return_value)}"
+                f"returned {short_cell(outcome.return_value)}"
             )
         self._event(self._batch)
         if self._to_run and on_a_terminal(log):
@@ -253,7 +253,7 @@ class SweepReport:
         )
         if outcome.status == COMPLETED:
             if self._progress is None:
-                log.info(f"{line}, returned {_short(outcome.return_value)}")
+                log.info(f"{line}, returned {short_cell(outcome.return_value)}")
         else:
             first, *rest = (outcome.error or "").splitlines() or [""]
             log.error("\n\t".join([f"{line}: {first}", *rest]))
@@ -351,23 +351,15 @@ class SweepReport:
         for num in self._batch if nums is None else nums:
             outcome = self.outcomes[num]
             if outcome.status == COMPLETED:
-                result = _short(outcome.return_value)
+                result = short_cell(outcome.return_value)
             else:
-                # the failure's first line, without the pid and local rank the progress line gave
-                result = _cut(_RANK_DETAIL.sub("", (outcome.error or "").split("\n", 1)[0]))
+                result = failure_cell(outcome.error)
             duration = "" if outcome.duration_s is None else f"{outcome.duration_s:.2f}s"
+            job_dir = shown_path(outcome.job_dir) if outcome.job_dir else "-"
             rows.append(
-                [
-                    str(num),
-                    outcome.status,
-                    duration,
-                    _cut(shown(outcome.overrides)),
-                    result,
-                    shown_path(outcome.job_dir) if outcome.job_dir else "-",
-                ]
+                [str(num), outcome.status, duration, cut_cell(shown(outcome.overrides)), result, job_dir]
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+        return "\n".join(aligned(rows))
 
     def all_ended_untold(self) -> bool:
         """Whether every job of this batch has ended and its table is still to be shown: the
@@ -383,7 +375,7 @@ class SweepReport:
         counts: Dict[str, int] = {}
         for num in self._batch:
             counts[self.outcomes[num].status] = counts.get(self.outcomes[num].status, 0) + 1
-        tally = ", ".join(f"{count} {_word(status)}" for status, count in counts.items())
+        tally = ", ".join(f"{count} {status_word(status)}" for status, count in counts.items())
         lines = [f"{jobs_counted(len(self._batch))}: {tally} (summary: {shown_path(str(self.path))})"]
         common = _common_overrides([outcome.overrides for outcome in self.outcomes.values()])
         every = [f"overrides every job has: {' '.join(common)}"] if common else []
@@ -412,14 +404,10 @@ class SweepReport:
             if not nums:
                 continue
             listed = job_numbers(nums)
-            if status == PREEMPTED:
+            if status in (PREEMPTED, STOPPED):
                 dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
-                parts.append(f"preempted {listed} (continues in {dirs})")
-            elif status == STOPPED:
-                dirs = ", ".join(shown_path(self.outcomes[n].job_dir) for n in nums)
-                parts.append(f"stopped {listed} (logs in {dirs})")
-            else:
-                parts.append(f"{_word(status)} {listed}")
+                listed += f" (continues in {dirs})" if status == PREEMPTED else f" (logs in {dirs})"
+            parts.append(f"{status_word(status)} {listed}")
         return "; ".join(parts) + f"; summary in {shown_path(str(self.path))}"
 
 
@@ -459,16 +447,22 @@ def jobs_counted(count: int) -> str:
 def job_numbers(nums: Iterable[int]) -> str:
     """Job numbers as a line says them, runs shortened: "#0, #2-#299" (a stopped sweep of
     300 jobs says so in a few words, not 299 numbers)."""
+    runs = number_runs(nums)
+    return ", ".join(f"#{a}" if a == b else f"#{a}, #{b}" if b == a + 1 else f"#{a}-#{b}" for a, b in runs)
+
+
+def number_runs(nums: Iterable[int]) -> List[List[int]]:
+    """The numbers sorted, in runs of consecutive ones as [first, last]: 0, 2, 3, 4 -> [0, 0], [2, 4]."""
     runs: List[List[int]] = []
     for num in sorted(nums):
         if runs and num == runs[-1][1] + 1:
             runs[-1][1] = num
         else:
             runs.append([num, num])
-    return ", ".join(f"#{a}" if a == b else f"#{a}, #{b}" if b == a + 1 else f"#{a}-#{b}" for a, b in runs)
+    return runs
 
 
-def _word(status: str) -> str:
+def status_word(status: str) -> str:
     """NOT_STARTED -> "not started", as the console's sentences say it."""
     return status.lower().replace("_", " ")
 
@@ -492,9 +486,22 @@ def _json_or_repr(value: Any) -> Any:
         return repr(value)
 
 
-def _short(value: Any) -> str:
-    return _cut(value if isinstance(value, str) else json.dumps(value, default=repr))
+def short_cell(value: Any) -> str:
+    """A return value as a table's cell (`torchrun-sweep status`'s too): JSON, cut to its width."""
+    return cut_cell(value if isinstance(value, str) else json.dumps(value, default=repr))
 
 
-def _cut(text: str) -> str:
+def cut_cell(text: str) -> str:
     return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
+
+
+def failure_cell(error: Optional[str]) -> str:
+    """A job's error as a table's cell: its first line, without the pid and local rank the
+    progress line gave."""
+    return cut_cell(_RANK_DETAIL.sub("", (error or "").split("\n", 1)[0]))
+
+
+def aligned(rows: List[List[str]]) -> List[str]:
+    """A table's lines: each column as wide as its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -21,6 +21,9 @@ from omegaconf import DictConfig
 from .._shared.plan import JobPlan, JobSettings
 from .preempt import StopNotice
 
+# after its job_timeout, how long a job process may take beyond its ranks' shutdown
+_STOP_MARGIN_S = 30.0
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -114,3 +117,11 @@ class Runner(Protocol):
 
     def stopped_words(self) -> str:
         """After `run` raised SweepStopped: what the stop did, first words of its line."""
+
+
+def hard_limit_s(plan: JobPlan) -> Optional[float]:
+    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
+    conf = plan.settings.conf
+    if conf.job_timeout is None:
+        return None
+    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S

@@ -258,11 +258,7 @@ def _check_scalars(conf: TorchrunLauncherConf, on_hosts: bool = False) -> None:
             "use null or the name of a `torchrun.logs_specs` entry point: "
             + (", ".join(_entry_point_names("torchrun.logs_specs")) or "none is installed"),
         ),
-        (
-            "module",
-            not (conf.module and conf.no_python),
-            "module and no_python cannot both be true",
-        ),
+        ("module", not (conf.module and conf.no_python), "module and no_python cannot both be true"),
         (
             "launch_prefix",
             # on hosts of their own: on each host's PATH, looked up there (`_job.agent`)

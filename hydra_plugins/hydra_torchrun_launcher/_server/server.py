@@ -317,13 +317,23 @@ class WarmServer:
         """The server's pid, which is also its process group's (and its job processes' group)."""
         return self._process.pid
 
-    def start_job(self, payload_r: int, result_w: int) -> int:
-        """Fork a job process that reads its payload from `payload_r`; its pid."""
-        self.report()
-        socket.send_fds(self._sock, [_REQUEST], [payload_r, result_w, 0, 1, 2])
-        while not self._started:
-            self._receive()
-        return self._started.pop(0)
+    def start_job(self, request: bytes) -> "tuple[int, int]":
+        """Fork a job process that reads `request` as its payload; its pid, and the pipe's end
+        its result comes back on."""
+        payload_r, payload_w = os.pipe()
+        result_r, result_w = os.pipe()
+        try:
+            self.report()
+            socket.send_fds(self._sock, [_REQUEST], [payload_r, result_w, 0, 1, 2])
+            while not self._started:
+                self._receive()
+            pid = self._started.pop(0)
+        finally:
+            os.close(payload_r)
+            os.close(result_w)
+        with os.fdopen(payload_w, "wb") as f:
+            f.write(request)
+        return pid, result_r
 
     def wait_exit(self, pid: int) -> int:
         """The wait status of a job process, waiting for the server to report it."""

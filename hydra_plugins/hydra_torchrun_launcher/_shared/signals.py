@@ -2,12 +2,21 @@
 processes hand on: those a terminal, `kill -- -PGID` or srun/scancel deliver to a whole
 process group."""
 
+import os
 import signal
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 GROUP_SIGNALS = "SIGINT,SIGTERM,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+
+
+def send_signal(pid: int, signum: int) -> None:
+    """`signum` to the process `pid`, unless it is gone already."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def signals_named(names: str) -> List[signal.Signals]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._server.server import WarmServer, checked_warm_server
+from .._shared.signals import send_signal
 from .wire import AGENT_HELLO, HEARTBEAT_S, SILENCE_S, Reader, read_message, send
 
 log = logging.getLogger(__name__)
@@ -130,21 +131,13 @@ class Agent:
             _, signum, keys = message
             for node in list(self.nodes.values()):
                 if keys is None or node.key in keys:
-                    _signal(node.pid, signum)
+                    send_signal(node.pid, signum)
         else:
             raise ValueError(f"unknown message from the head: {kind!r}")
 
     def _start(self, key: Key, request: bytes, job_dir: str, limit_s: Optional[float]) -> None:
         assert self.server is not None
-        payload_r, payload_w = os.pipe()
-        result_r, result_w = os.pipe()
-        try:
-            pid = self.server.start_job(payload_r, result_w)
-        finally:
-            os.close(payload_r)
-            os.close(result_w)
-        with os.fdopen(payload_w, "wb") as f:
-            f.write(request)
+        pid, result_r = self.server.start_job(request)
         kill_after = None if limit_s is None else time.monotonic() + limit_s
         self.nodes[key] = _Node(key, pid, result_r, job_dir, kill_after)
         self.selector.register(result_r, selectors.EVENT_READ, key)
@@ -272,19 +265,12 @@ def _kill_tree(pid: int, spared: "set[int]") -> None:
         except ProcessLookupError:
             continue
     for each in [pid, *below]:
-        _signal(each, signal.SIGKILL)
+        send_signal(each, signal.SIGKILL)
     for group in groups - spared:
         try:
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             continue
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
 
 
 def main() -> int:

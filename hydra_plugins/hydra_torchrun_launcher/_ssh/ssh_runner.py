@@ -35,7 +35,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig
 
-from .._job.failure_report import JobFailedError, JobPastDeadline, merged_deadline
+from .._job.failure_report import JobPastDeadline, failed_return, merged_deadline, process_end
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.cluster_layout import derived_port
@@ -43,7 +43,7 @@ from .._launcher.preempt import StopNotice, StopRequest, SweepStopped, sweep_not
 from .._launcher.preload import preload_modules, varying_variables
 from .._launcher.report import jobs_counted
 from .._launcher.reproduce import plain_torchrun_line
-from .._launcher.runner import JobEvents, JobFeed, Placement
+from .._launcher.runner import JobEvents, JobFeed, Placement, hard_limit_s
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan, JobSettings, Rendezvous
@@ -54,9 +54,6 @@ from .options import SWEEP_WIDE, SshOptions, split_launcher_config
 from .wire import HEARTBEAT_S, SILENCE_S
 
 log = logging.getLogger(__name__)
-
-# after its job_timeout, how long a job process may take beyond its ranks' shutdown
-_STOP_MARGIN_S = 30.0
 
 
 class SshRunner:
@@ -354,7 +351,7 @@ class _Sweep:
             why = f"host {state.host.name} was lost: {agent.lost}"
             if self.stop.signum is None:
                 log.warning(f"job #{idx}: {why}; the sweep goes on on the other hosts")
-            self._node_ended(running, node, _failure(why, running.plan))
+            self._node_ended(running, node, failed_return(why))
         state.jobs.clear()
 
     def _heartbeat(self) -> None:
@@ -386,7 +383,7 @@ class _Sweep:
                     self.events.started(upcoming, None)
                     left = ", ".join(alive) or "none"
                     why = f"it needs {nodes} host(s); the hosts left ({left}) cannot take it (lost: {lost})"
-                    self._end(upcoming, _failure(why, upcoming))
+                    self._end(upcoming, failed_return(why))
                     upcoming = self.jobs.next()
                     continue
                 if len(free) < nodes:
@@ -435,7 +432,7 @@ class _Sweep:
         self.events.started(plan, f" on {where}", [state.host.name for state in hosts])
         running = _Running(plan, hosts, devices, set(range(len(hosts))))
         self.running[plan.idx] = running
-        limit = _hard_limit_s(plan)
+        limit = hard_limit_s(plan)
         for node, state in enumerate(hosts):
             node_bytes = (
                 request
@@ -450,9 +447,8 @@ class _Sweep:
                     _label(plan, state.host.name),
                 )
             )
-            sent = state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
-            if not sent:  # lost as the job started: its loss fails the job when seen
-                continue
+            # a host lost as the job started: its loss fails the job when seen
+            state.agent.send(("job", (plan.idx, node), node_bytes, str(plan.output_dir), limit))
         # a stop that came as it started reaches it too
         if self.stop.signum is not None:
             self._signal_job(running, self.stop.signum)
@@ -481,13 +477,10 @@ class _Sweep:
             try:
                 job_return = cloudpickle.loads(result)
             except Exception as e:  # a result that cannot be read is the job's failure, said so
-                job_return = _failure(f"its result from {state.host.name} could not be read: {e}", plan)
+                job_return = failed_return(f"its result from {state.host.name} could not be read: {e}")
         else:
-            job_return = _failure(
-                f"the job's process (pid {pid} on {state.host.name}) {_how(status)} "
-                "before reporting a result",
-                plan,
-            )
+            how = f"(pid {pid} on {state.host.name}) {process_end(status)}"
+            job_return = failed_return(f"the job's process {how} before reporting a result")
         self._node_ended(running, node, job_return)
 
     def _node_ended(self, running: _Running, node: int, job_return: JobReturn) -> None:
@@ -506,10 +499,7 @@ class _Sweep:
         if running.open_nodes:
             return
         del self.running[running.plan.idx]
-        self._end(
-            running.plan,
-            _job_return(running),
-        )
+        self._end(running.plan, _job_return(running))
 
     def _end(self, plan: JobPlan, job_return: JobReturn) -> None:
         if job_return.overrides is None:
@@ -590,24 +580,3 @@ def _write_back(job_dir: Path, files: List[Tuple[str, bytes, int]], first: bool)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
         os.chmod(target, mode)
-
-
-def _how(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exited with code {os.waitstatus_to_exitcode(status)}"
-
-
-def _failure(message: str, plan: JobPlan) -> JobReturn:
-    failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError(message)
-    failed.overrides = list(plan.overrides)
-    return failed
-
-
-def _hard_limit_s(plan: JobPlan) -> Optional[float]:
-    """After job_timeout, the ranks' shutdown and a margin, the job's process is killed."""
-    conf = plan.settings.conf
-    if conf.job_timeout is None:
-        return None
-    return conf.job_timeout + 2 * conf.shutdown_timeout + _STOP_MARGIN_S

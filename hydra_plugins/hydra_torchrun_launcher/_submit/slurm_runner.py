@@ -21,7 +21,7 @@ import cloudpickle
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from .._job.failure_report import JobFailedError
+from .._job.failure_report import failed_return
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
@@ -198,7 +198,6 @@ class _Sweep:
         # the recorded jobs of an earlier run that SLURM still has (`_still_there`), asked once
         self.alive: Any = _UNKNOWN
         self.stop_signum: Optional[int] = None
-        self.polls = 0
         # every job's JobReturn as it ends (one sbatch refused, at once)
         self.returns: Dict[int, JobReturn] = {}
         # what the last line said of each job (state, and reason or nodes)
@@ -285,7 +284,7 @@ class _Sweep:
                 asked = _asked(slurm)  # SLURM's words do not say which value it refused
                 for plan in group:
                     self.events.started(plan, None)
-                    self._end(plan.idx, _failure(f"sbatch refused job #{plan.idx} ({asked}): {e}"))
+                    self._end(plan.idx, failed_return(f"sbatch refused job #{plan.idx} ({asked}): {e}"))
                 self._report_ended()
                 continue
             for plan in group:
@@ -373,7 +372,7 @@ class _Sweep:
         try:
             job_return: JobReturn = cloudpickle.loads(read_private(path))
         except Exception as e:  # a result that cannot be read is the job's failure, said so
-            job_return = _failure(f"its result ({shown_path(str(path))}) could not be read: {e}")
+            job_return = failed_return(f"its result ({shown_path(str(path))}) could not be read: {e}")
         return job_return
 
     def _note_requeue(self, idx: int) -> None:
@@ -395,7 +394,6 @@ class _Sweep:
         """One squeue call for the whole sweep: a line for what changed; a job that ended
         without a result (seen so in two polls in a row: SLURM shows a requeued job's end for
         a moment, and a result may land between) is FAILED with SLURM's words."""
-        self.polls += 1
         try:
             states = slurm_commands.squeue(slurm_id.split("_")[0] for slurm_id in self.slurm_ids.values())
         except SlurmCommandError as e:
@@ -453,7 +451,7 @@ class _Sweep:
         message = (
             f"SLURM job {slurm_id} can never start ({state.reason}): {why}; it was cancelled{_said(said)}"
         )
-        self._end(idx, _failure(message))
+        self._end(idx, failed_return(message))
         return True
 
     def _collect(self, plan: JobPlan, job_return: JobReturn) -> None:
@@ -483,7 +481,7 @@ class _Sweep:
         where = f"its output: {shown_path(str(out))}" if out.exists() else "it never started (no output)"
         self._end(
             plan.idx,
-            _failure(f"SLURM job {slurm_id} ended {state.state}{reason} without a result; {where}"),
+            failed_return(f"SLURM job {slurm_id} ended {state.state}{reason} without a result; {where}"),
         )
 
     def _end(self, idx: int, job_return: JobReturn, stopped: bool = False) -> None:
@@ -530,7 +528,7 @@ class _Sweep:
         said = slurm_commands.scancel(ids)
         for idx, slurm_id in list(self.slurm_ids.items()):
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
-            self._end(idx, _failure(message), stopped=True)
+            self._end(idx, failed_return(message), stopped=True)
         self._report_ended()
         return f"SLURM job(s) {', '.join(ids)}{_said(said)}{on}"
 
@@ -610,17 +608,11 @@ def _named_by_slurm(job_return: JobReturn, slurm_id: str, state: str, out: Path)
     ended_by_job = job_return.status == JobStatus.COMPLETED or isinstance(value, JobPreempted)
     if state not in _ENDED_BY_SLURM or ended_by_job:
         return job_return
-    named = _failure(f"SLURM job {slurm_id} ended {state}: {value}; its output: {shown_path(str(out))}")
+    named = failed_return(f"SLURM job {slurm_id} ended {state}: {value}; its output: {shown_path(str(out))}")
     if isinstance(value, BaseException):
         named._return_value.__cause__ = value
     named.overrides = job_return.overrides
     return named
-
-
-def _failure(message: str) -> JobReturn:
-    failed = JobReturn(status=JobStatus.FAILED)
-    failed.return_value = JobFailedError(message)
-    return failed
 
 
 def arrays(plans: List[JobPlan], options: Dict[int, SlurmOptions]) -> Dict[SlurmOptions, List[JobPlan]]:

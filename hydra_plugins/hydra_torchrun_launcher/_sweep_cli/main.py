@@ -34,12 +34,21 @@ SUBMITTED (squeue could not say); `recorded` is the record's status.
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .._launcher.report import COMPLETED, job_numbers, jobs_counted
+from .._launcher.report import (
+    COMPLETED,
+    aligned,
+    cut_cell,
+    failure_cell,
+    job_numbers,
+    jobs_counted,
+    number_runs,
+    short_cell,
+    status_word,
+)
 from .._shared import slurm_commands
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
@@ -57,15 +66,13 @@ from .state import (
 )
 
 PROG = "torchrun-sweep"
-_CELL_WIDTH = 60
-# the failure's first line as the launcher's table shows it: without the pid and local rank
-_RANK_DETAIL = re.compile(r" \(local_rank \d+, pid \d+\)")
+# a job's keys in `status --json`, in their order (then its job dir)
+_JOB_KEYS = "num state recorded slurm_id nodes elapsed_s overrides return_value error note".split()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Where a hydra-torchrun-launcher sweep stands; cancel its SLURM jobs.",
+        prog=PROG, description="Where a hydra-torchrun-launcher sweep stands; cancel its SLURM jobs."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{status,cancel}")
     status = sub.add_parser("status", help="where the sweep in DIR stands, a line per job")
@@ -104,19 +111,7 @@ def as_json(view: SweepView) -> Dict[str, Any]:
         "varying": view.varying,
         "squeue_error": view.squeue_error,
         "jobs": [
-            {
-                "num": job.num,
-                "state": job.state,
-                "recorded": job.recorded,
-                "slurm_id": job.slurm_id,
-                "nodes": job.nodes,
-                "elapsed_s": job.elapsed_s,
-                "overrides": job.overrides,
-                "return_value": job.return_value,
-                "error": job.error,
-                "note": job.note,
-                "job_dir": job.job_dir or None,
-            }
+            {**{key: getattr(job, key) for key in _JOB_KEYS}, "job_dir": job.job_dir or None}
             for job in view.jobs
         ],
     }
@@ -126,7 +121,7 @@ def as_text(view: SweepView) -> str:
     """The sweep's line, its counts, then a row per job."""
     kind = {"slurm": "a SLURM", "ssh": "an ssh"}.get(view.runner, "a local")
     lines = [f"{shown_path(str(view.sweep_dir))}: {kind} sweep, {_stage(view)}"]
-    tally = ", ".join(f"{count} {_word(state)}" for state, count in view.counts.items())
+    tally = ", ".join(f"{count} {status_word(state)}" for state, count in view.counts.items())
     lines.append(f"{jobs_counted(len(view.jobs))}: {tally}")
     if view.squeue_error:
         lines.append(f"{view.squeue_error}: where its SLURM jobs stand is not known")
@@ -134,23 +129,22 @@ def as_text(view: SweepView) -> str:
     rows = [["#", "state", *(["SLURM id"] if slurm else []), "elapsed", "overrides", "result"]]
     for job in view.jobs:
         if job.state == COMPLETED:
-            result = _short(job.return_value)
+            result = short_cell(job.return_value)
         elif job.error:
-            result = _cut(_RANK_DETAIL.sub("", job.error.split("\n", 1)[0]))
+            result = failure_cell(job.error)
         else:
-            result = _cut(job.note or "")
+            result = cut_cell(job.note or "")
         rows.append(
             [
                 str(job.num),
                 job.state,
                 *([job.slurm_id or ""] if slurm else []),
                 _elapsed(job.elapsed_s),
-                _cut(" ".join(shown_overrides(job.overrides, view.varying))),
+                cut_cell(" ".join(shown_overrides(job.overrides, view.varying))),
                 result,
             ]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += aligned(rows)
     return "\n".join(lines)
 
 
@@ -169,11 +163,6 @@ def _stage(view: SweepView) -> str:
     return "ended"
 
 
-def _word(state: str) -> str:
-    """NOT_STARTED -> "not started", as the launcher's lines say it."""
-    return state.lower().replace("_", " ")
-
-
 def _elapsed(seconds: Optional[float]) -> str:
     """0.95s, 42s, 3m04s, 2h05m, 1d02h."""
     if seconds is None:
@@ -186,14 +175,6 @@ def _elapsed(seconds: Optional[float]) -> str:
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
-
-
-def _short(value: Any) -> str:
-    return _cut(value if isinstance(value, str) else json.dumps(value, default=repr))
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= _CELL_WIDTH else text[: _CELL_WIDTH - 1] + "…"
 
 
 # -- cancel --------------------------------------------------------------------------------
@@ -246,13 +227,7 @@ def slurm_ids(ids: List[str]) -> str:
             others.append(slurm_id)
     shown = []
     for array, numbers in tasks.items():
-        runs: List[List[int]] = []
-        for n in sorted(numbers):
-            if runs and n == runs[-1][1] + 1:
-                runs[-1][1] = n
-            else:
-                runs.append([n, n])
-        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in number_runs(numbers))
         shown.append(f"{array}_{parts}" if len(numbers) == 1 else f"{array}_[{parts}]")
     return ", ".join(shown + others)
 

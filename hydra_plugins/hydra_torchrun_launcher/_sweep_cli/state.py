@@ -270,10 +270,7 @@ def squeue(slurm_ids: Iterable[str]) -> Tuple[Optional[Dict[str, JobState]], Opt
 
 
 def _as_slurm_shows_it(
-    job: JobView,
-    slurm_id: str,
-    states: Optional[Dict[str, JobState]],
-    runs: Dict[Tuple[int, str, str], int],
+    job: JobView, slurm_id: str, states: Optional[Dict[str, JobState]], runs: Dict[Tuple[int, str, str], int]
 ) -> None:
     """A job in flight: SLURM's state of it (one squeue call for the sweep), or what its nodes
     left (a result the record does not hold yet)."""
