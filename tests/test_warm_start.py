@@ -255,3 +255,71 @@ def test_hydras_plugins_are_scanned_once_a_sweep_not_again_in_each_job_and_rank(
             }
     scans = (tmp_path / "scans.txt").read_text().split()
     assert len(scans) == len(set(scans)) == 2, scans
+
+
+# a package the warm server preloads (the app does not import it) that leaves the collector
+# as a large import can: more long-lived objects not yet walked than a quarter of all, the
+# oldest generation's count past its threshold, so that the next automatic collection of the
+# young generations is a full one. The rest of the server's start-up allocates too: the
+# server itself makes no full collection of its own accord, each process forked from it gets
+# the usual thresholds back. Every full collection notes the process it ran in.
+BULKY = """
+import gc
+import os
+
+SERVER = os.getpid()
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "full_collections.txt")
+
+gc.disable()
+KEPT = [[i] for i in range(300_000)]
+gc.enable()
+for _ in range(gc.get_threshold()[2] + 1):
+    gc.collect(1)
+THRESHOLDS = gc.get_threshold()
+gc.set_threshold(THRESHOLDS[0], THRESHOLDS[1], 10**9)
+os.register_at_fork(after_in_child=lambda: gc.set_threshold(*THRESHOLDS))
+
+
+def _note(phase, info):
+    if phase == "stop" and info["generation"] == 2:
+        with open(LOG, "a") as f:
+            f.write(f"{os.getpid()} {os.getpid() == SERVER}\\n")
+
+
+gc.callbacks.append(_note)
+"""
+
+
+def test_no_job_or_rank_pays_a_full_collection_of_what_the_warm_server_imported(tmp_path: Path) -> None:
+    """What the warm server's preload made is collected once, in the server: a job process
+    or a rank forked from it never walks that whole heap again (under Optuna's sweeper, whose
+    packages the server preloads, such a collection cost every job 0.2 s)."""
+    (tmp_path / "bulky.py").write_text(BULKY)
+    (tmp_path / "app.py").write_text(
+        WATCH_APP.replace(
+            "import reads_job_var  # noqa: E402\nimport reads_rank  # noqa: E402\n", ""
+        ).replace(
+            '{"preloaded": PRELOADED, "rank": reads_rank.RANK, "tag": reads_job_var.TAG}',
+            '{"rank": os.environ["RANK"], "bulky": "bulky" in sys.modules}',
+        )
+    )
+    run_app(
+        tmp_path / "app.py",
+        [
+            "-m",
+            "hydra/launcher=torchrun",
+            "hydra.launcher.nproc_per_node=2",
+            "hydra.launcher.preload=[bulky]",
+            "hydra.job.chdir=true",
+            "hydra.sweep.dir=sweep",
+            "+x=0,1",
+        ],
+        cwd=tmp_path,
+    )
+    for job in (0, 1):
+        for rank in (0, 1):
+            record = json.loads((tmp_path / "sweep" / str(job) / f"rank{rank}.json").read_text())
+            assert record == {"rank": str(rank), "bulky": True}, (job, rank)
+    log = tmp_path / "full_collections.txt"
+    collections = log.read_text().splitlines() if log.exists() else []
+    assert [line for line in collections if not line.endswith(" True")] == [], collections
