@@ -7,6 +7,7 @@ console, the sweep's files, `squeue`.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tests.slurm_cluster import SlurmCluster, skip_or_fail, unavailable
 from tests.test_slurm_submit import (
     QUEUE_EMPTIES_S,
     SWEEP_TIMEOUT_S,
+    _command,
     _once_running,
     _queue,
     _start,
@@ -206,32 +208,103 @@ def test_detach_refuses_a_sweeper_that_needs_results_between_batches(
     assert not _queue(cluster)
 
 
-def test_a_thousand_one_node_jobs_detach_status_and_cancel(
+def _interrupted(
+    cluster: SlurmCluster, directory: Path, overrides: "tuple[str, ...]", signum: int, recorded: int
+) -> "tuple[int, str]":
+    """The sweep started as a user starts it, sent `signum` once it has recorded at least
+    `recorded` SLURM jobs (a Ctrl-C reaches the terminal's process group; a `kill -9 <pid>`
+    the launcher alone); its exit status and console."""
+    log = directory / f"interrupted-{signum}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            _command(*overrides),
+            cwd=directory,
+            env=cluster.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_for(
+            lambda: proc.poll() is not None or len(_recorded(directory)) >= recorded,
+            f"{recorded} jobs recorded",
+            THOUSAND_JOBS_TIMEOUT_S,
+        )
+        assert proc.poll() is None, log.read_text()[-3000:]
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signum)
+        return proc.wait(timeout=SWEEP_TIMEOUT_S), log.read_text()
+    finally:
+        kill_tree(proc)
+
+
+def _recorded(directory: Path) -> "dict[str, str]":
+    """The SLURM jobs the sweep has recorded so far (the file is replaced whole)."""
+    try:
+        return _submitted_ids(directory)
+    except FileNotFoundError:
+        return {}
+
+
+def test_a_thousand_one_node_jobs_interrupted_by_ctrl_c_and_kill_9_are_all_submitted_once(
     cluster: SlurmCluster,
     app_dir: Path,  # noqa: F811
 ) -> None:
-    """A sweep of a thousand jobs submitted detached, as from a login node: every job is in
-    SLURM's queue once the command ends (in arrays submitted as the jobs were composed),
+    """A sweep of a thousand jobs submitted detached, as from a login node, stopped by a
+    Ctrl-C, then by a `kill -9`, each time part way through its submission, then run to its
+    end: every job is in SLURM's queue exactly once (nothing lost, nothing submitted twice),
     `torchrun-sweep status` reads the whole sweep, `cancel` cancels every job. The jobs are
     submitted held (`sbatch --hold`), so that none takes this small machine's CPU; what the
     submission costs against Hydra's own validation is measured by
     benchmarks/slurm_submit.py --detach --hold (docs/login-node.md)."""
     jobs = 1000
-    result = _sweep(
-        cluster,
-        app_dir,
+    sweep = (
         "hydra.launcher.detach=true",
         "+hydra.launcher.additional_parameters.hold=true",
         f"x=range(0,{jobs})",
-        timeout_s=THOUSAND_JOBS_TIMEOUT_S,
     )
+
+    def queued() -> "list[str]":
+        shown = cluster.run(["squeue", "--noheader", "--array", "--format=%i %T %r"])
+        assert shown.returncode == 0, shown.stderr
+        return shown.stdout.splitlines()
+
+    def held_once(ids: "dict[str, str]") -> None:
+        """SLURM queues each recorded job, held, and no other."""
+        lines = queued()
+        assert sorted(line.split()[0] for line in lines) == sorted(ids.values()), (len(lines), len(ids))
+        assert all(line.endswith("PENDING JobHeldUser") for line in lines), lines[:5]
+
+    code, output = _interrupted(cluster, app_dir, sweep, signal.SIGINT, 24)
+    assert code == 130, output[-3000:]
+    stopped = _recorded(app_dir)
+    assert 24 <= len(stopped) < jobs, len(stopped)
+    # what runs on, in SLURM's words (`1_[0-7], 2_[8-23]`), and how to go on
+    arrays = sorted({slurm_id.split("_")[0] for slurm_id in stopped.values()}, key=int)
+    assert f"SLURM job(s) {arrays[0]}_[0-7], {arrays[1]}_[8-23]" in output, output[-3000:]
+    assert "submitted detached, run on" in output and "the same command submits the rest" in output, output[
+        -3000:
+    ]
+    held_once(stopped)
+
+    code, output = _interrupted(cluster, app_dir, sweep, signal.SIGKILL, len(stopped) + 200)
+    assert code == -signal.SIGKILL, output[-3000:]
+    killed = _recorded(app_dir)
+    assert {n: killed[n] for n in stopped} == stopped and len(stopped) < len(killed) < jobs, len(killed)
+    held_once(killed)
+
+    result = _sweep(cluster, app_dir, *sweep, timeout_s=THOUSAND_JOBS_TIMEOUT_S)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert f"Detached: {jobs} job(s) submitted to SLURM" in output, output[-3000:]
+    fresh = jobs - len(killed)
+    assert f"Detached: {fresh} job(s) submitted to SLURM" in output, output[-3000:]
+    assert f", {len(killed)} submitted before; they run on" in output, output[-3000:]
     ids = _submitted_ids(app_dir)
     assert sorted(int(n) for n in ids) == list(range(jobs)), len(ids)
-    queued = cluster.run(["squeue", "--noheader", "--array", "--format=%i %T %r"]).stdout.splitlines()
-    assert len(queued) == jobs and all(line.endswith("PENDING JobHeldUser") for line in queued), queued[:5]
+    assert {n: ids[n] for n in killed} == killed
+    held_once(ids)
 
     shown = _tool(app_dir, "status", "sweep", "--json", env=_env(cluster.env))
     assert shown.returncode == 0, shown.stderr

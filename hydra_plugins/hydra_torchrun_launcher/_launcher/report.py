@@ -462,6 +462,23 @@ def number_runs(nums: Iterable[int]) -> List[List[int]]:
     return runs
 
 
+def slurm_ids(ids: List[str]) -> str:
+    """SLURM ids as SLURM writes an array's tasks: `12_[0-2,5]`, `12_3`, one array after another."""
+    tasks: Dict[str, List[int]] = {}
+    others = []
+    for slurm_id in ids:
+        array, _, task = slurm_id.partition("_")
+        if task.isdigit():
+            tasks.setdefault(array, []).append(int(task))
+        else:
+            others.append(slurm_id)
+    shown = []
+    for array, numbers in tasks.items():
+        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in number_runs(numbers))
+        shown.append(f"{array}_{parts}" if len(numbers) == 1 else f"{array}_[{parts}]")
+    return ", ".join(shown + others)
+
+
 def status_word(status: str) -> str:
     """NOT_STARTED -> "not started", as the console's sentences say it."""
     return status.lower().replace("_", " ")

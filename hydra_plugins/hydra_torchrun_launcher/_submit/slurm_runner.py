@@ -25,7 +25,7 @@ from .._job.failure_report import failed_return
 from .._job.launch_config import check_supported
 from .._job.preempt import JobPreempted
 from .._launcher.preempt import SweepStopped
-from .._launcher.report import jobs_counted
+from .._launcher.report import jobs_counted, slurm_ids
 from .._launcher.resume import PlannedResumption
 from .._launcher.runner import JobEvents, JobFeed, SweepDetached
 from .._shared import slurm_commands
@@ -294,9 +294,10 @@ class _Sweep:
                 if self.detach:  # never cancelled by a later command's Ctrl-C
                     self.submitted[str(plan.idx)]["detached"] = True
                     self.detached.add(plan.idx)
-                # until SLURM starts it, its time counts from here
-                self.events.started(plan, f" : SLURM job {slurm_id}")
+            # recorded before anything else: a launcher killed from here on leaves no job unrecorded
             write_submitted(self.directory, self.submitted)
+            for plan in group:  # until SLURM starts it, its time counts from here
+                self.events.started(plan, f" : SLURM job {self.slurm_ids[plan.idx]}")
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -518,8 +519,8 @@ class _Sweep:
         if detached:
             directory = shown_path(str(self.directory.parent))
             on = (
-                f"; SLURM job(s) {', '.join(detached)}, submitted detached, run on "
-                f"(torchrun-sweep cancel {directory} cancels them)"
+                f"; SLURM job(s) {slurm_ids(detached)}, submitted detached, run on "
+                f"(torchrun-sweep cancel {directory} cancels them; the same command submits the rest)"
             )
             for idx in [idx for idx in self.slurm_ids if idx in self.detached]:
                 self.slurm_ids.pop(idx)  # left out of the record's ending: still running
@@ -530,7 +531,7 @@ class _Sweep:
             message = f"SLURM job {slurm_id} was cancelled (scancel) when the launcher was stopped"
             self._end(idx, failed_return(message), stopped=True)
         self._report_ended()
-        return f"SLURM job(s) {', '.join(ids)}{_said(said)}{on}"
+        return f"SLURM job(s) {slurm_ids(ids)}{_said(said)}{on}"
 
     def detached_words(self, sweep_dir: str) -> str:
         """What a detached submission says: what runs on, where to look, how to come back."""

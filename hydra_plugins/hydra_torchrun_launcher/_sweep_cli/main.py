@@ -36,7 +36,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .._launcher.report import (
     COMPLETED,
@@ -45,8 +45,8 @@ from .._launcher.report import (
     failure_cell,
     job_numbers,
     jobs_counted,
-    number_runs,
     short_cell,
+    slurm_ids,
     status_word,
 )
 from .._shared import slurm_commands
@@ -213,23 +213,6 @@ def _plural(count: int) -> str:
 def _id_order(slurm_id: str) -> "tuple[int, int]":
     array, _, task = slurm_id.partition("_")
     return (int(array), int(task)) if array.isdigit() and task.isdigit() else (0, 0)
-
-
-def slurm_ids(ids: List[str]) -> str:
-    """SLURM ids as SLURM writes an array's tasks: `12_[0-2,5]`, `12_3`, one array after another."""
-    tasks: Dict[str, List[int]] = {}
-    others = []
-    for slurm_id in ids:
-        array, _, task = slurm_id.partition("_")
-        if task.isdigit():
-            tasks.setdefault(array, []).append(int(task))
-        else:
-            others.append(slurm_id)
-    shown = []
-    for array, numbers in tasks.items():
-        parts = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in number_runs(numbers))
-        shown.append(f"{array}_{parts}" if len(numbers) == 1 else f"{array}_[{parts}]")
-    return ", ".join(shown + others)
 
 
 if __name__ == "__main__":
