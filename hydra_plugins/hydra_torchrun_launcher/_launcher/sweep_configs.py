@@ -155,7 +155,7 @@ class SweepConfigs:
             if override.input_line == ref_override.input_line:
                 continue
             if override.is_add():  # the reference holds the key its `+key=` added: set it again
-                override = self.parser.parse_overrides(["+" + override.input_line])[0]
+                override = self._parsed("+" + override.input_line)
             changed.append(override)
         self.apply(changed, config)
         task = [o for o in parsed if not o.is_hydra_override()]
