@@ -11,9 +11,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List
 
 import pytest
 
@@ -248,6 +249,40 @@ def _recorded(directory: Path) -> "dict[str, str]":
         return {}
 
 
+class _SummaryReader(threading.Thread):
+    """A user's script reading the sweep's summary over and over while the sweep's commands
+    run: every read must parse, whole, and list every job."""
+
+    def __init__(self, path: Path, jobs: int) -> None:
+        super().__init__(daemon=True)
+        self.path, self.jobs = path, jobs
+        self.done = threading.Event()
+        self.reads = 0
+        self.errors: List[str] = []
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                text = self.path.read_text()
+            except FileNotFoundError:  # not written yet
+                pass
+            else:
+                try:
+                    listed = len(json.loads(text)["jobs"])
+                except ValueError as e:
+                    self.errors.append(f"{e}: {text[-200:]!r}")
+                else:
+                    self.reads += 1
+                    if listed != self.jobs:
+                        self.errors.append(f"{listed} jobs listed")
+            self.done.wait(0.05)
+
+    def end(self) -> None:
+        self.done.set()
+        self.join()
+        assert not self.errors and self.reads, (self.errors[:3], self.reads)
+
+
 def test_a_thousand_one_node_jobs_interrupted_by_ctrl_c_and_kill_9_are_all_submitted_once(
     cluster: SlurmCluster,
     app_dir: Path,  # noqa: F811
@@ -255,7 +290,8 @@ def test_a_thousand_one_node_jobs_interrupted_by_ctrl_c_and_kill_9_are_all_submi
     """A sweep of a thousand jobs submitted detached, as from a login node, stopped by a
     Ctrl-C, then by a `kill -9`, each time part way through its submission, then run to its
     end: every job is in SLURM's queue exactly once (nothing lost, nothing submitted twice),
-    `torchrun-sweep status` reads the whole sweep, `cancel` cancels every job. The jobs are
+    the sweep's summary parses whenever it is read, `torchrun-sweep status` reads the whole
+    sweep, `cancel` cancels every job. The jobs are
     submitted held (`sbatch --hold`), so that none takes this small machine's CPU; what the
     submission costs against Hydra's own validation is measured by
     benchmarks/slurm_submit.py --detach --hold (docs/login-node.md)."""
@@ -277,6 +313,8 @@ def test_a_thousand_one_node_jobs_interrupted_by_ctrl_c_and_kill_9_are_all_submi
         assert sorted(line.split()[0] for line in lines) == sorted(ids.values()), (len(lines), len(ids))
         assert all(line.endswith("PENDING JobHeldUser") for line in lines), lines[:5]
 
+    reader = _SummaryReader(app_dir / "sweep" / "sweep_summary.json", jobs)
+    reader.start()
     code, output = _interrupted(cluster, app_dir, sweep, signal.SIGINT, 24)
     assert code == 130, output[-3000:]
     stopped = _recorded(app_dir)
@@ -305,6 +343,7 @@ def test_a_thousand_one_node_jobs_interrupted_by_ctrl_c_and_kill_9_are_all_submi
     assert sorted(int(n) for n in ids) == list(range(jobs)), len(ids)
     assert {n: ids[n] for n in killed} == killed
     held_once(ids)
+    reader.end()
 
     shown = _tool(app_dir, "status", "sweep", "--json", env=_env(cluster.env))
     assert shown.returncode == 0, shown.stderr
