@@ -234,7 +234,10 @@ def test_ctrl_c_cancels_every_job_of_the_sweep(cluster: SlurmCluster, app_dir: P
         kill_tree(launcher)
     assert launcher.returncode == 130, output
     lines = [line for line in output.splitlines() if line.startswith("[torchrun launcher] SIGINT: cancelled")]
-    assert len(lines) == 1 and all(slurm_id in lines[0] for slurm_id in ids), output
+    # every job of the sweep's one array, in SLURM's notation
+    array = ids[0].split("_")[0]
+    assert sorted(ids) == [f"{array}_{n}" for n in range(5)], ids
+    assert len(lines) == 1 and f"cancelled SLURM job(s) {array}_[0-4]" in lines[0], output
     _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
     assert {job["status"] for job in _summary(app_dir).values()} == {"STOPPED"}
 
