@@ -304,6 +304,22 @@ def _end_record(run: Run) -> dict:
     return end
 
 
+def test_an_error_of_hydra_s_run_job_outside_the_task_is_the_job_s_error(tmp_path: Path) -> None:
+    """A value of `hydra.job.env_set` that Hydra's run_job cannot resolve (it reads env_set
+    from the hydra node, where `${mode}` is not found) fails the job before its task: the
+    job's error is Hydra's, naming the key, as the basic launcher raises it."""
+    run = _sweep(tmp_path, "mode=ok", "+hydra.job.env_set.FOO=${mode}")
+    assert run.returncode == 1, run.console
+    (job,) = run.summary()
+    assert job["status"] == "FAILED", job
+    error = (
+        "Hydra's run_job failed outside the task: InterpolationKeyError: Interpolation key 'mode' not found"
+    )
+    assert job["error"].startswith(error) and "hydra.job.env_set.FOO" in job["error"], job["error"]
+    assert run.account(0)[0].startswith(error), run.console
+    _left_nothing(run)
+
+
 def test_an_exception_class_of_the_app_s_script_is_the_script_s_own(tmp_path: Path) -> None:
     """`class AppError` of `python fault_app.py` (its `__main__`) reaches the launcher as that
     class, as with Hydra's basic launcher: `except AppError` around the app's `main()` takes it

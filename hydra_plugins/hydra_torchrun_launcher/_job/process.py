@@ -19,6 +19,7 @@ import pickle
 import signal
 import struct
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -121,6 +122,12 @@ def run_request(request: JobRequest) -> JobReturn:
         # blocks the group signals for its children): it is delivered now
         signal.pthread_sigmask(signal.SIG_UNBLOCK, group_signals())
         return _run(request)
+    except Exception as e:
+        # Hydra's run_job failed outside the task (its own bookkeeping: a value of
+        # `hydra.job.env_set` that does not resolve, a callback's error): that error is the
+        # job's, as Hydra's basic launcher raises it, not "exited before reporting a result"
+        traceback.print_exc()
+        return failed_return(f"Hydra's run_job failed outside the task: {type(e).__name__}: {e}")
     finally:
         _flush_loggers()
 
