@@ -101,6 +101,22 @@ def _wait_for(predicate, what: str, timeout_s: float = SWEEP_TIMEOUT_S):  # type
         time.sleep(0.2)
 
 
+def ranks_saw(job: int, world: int) -> List[dict]:
+    """What each rank of the submit app's job `job` (`x=job+1`) reports when it runs as under
+    the local launcher: RANK from its first line, the job's env_set, its job dir as its cwd,
+    the job's Hydra config as its first node has it, its own config."""
+    return [
+        {
+            "rank_at_import": str(rank),
+            "job_tag": f"job_{job}",
+            "in_job_dir": True,
+            "output_subdir": ".hydra",
+            "cfg_x": job + 1,
+        }
+        for rank in range(world)
+    ]
+
+
 def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
     cluster: SlurmCluster, app_dir: Path
 ) -> None:
@@ -114,16 +130,7 @@ def test_three_two_node_jobs_run_as_slurm_jobs_with_rank_0s_values_in_order(
         assert value["x"] == n + 1 and value["world"] == 4, value
         assert len(value["hosts"]) == 2 and set(value["hosts"]) <= set(cluster.nodes), value
         # every rank saw what it sees under the local launcher, from its first line
-        assert value["ranks_saw"] == [
-            {
-                "rank_at_import": str(rank),
-                "job_tag": f"job_{n}",
-                "in_job_dir": True,
-                "output_subdir": ".hydra",
-                "cfg_x": n + 1,
-            }
-            for rank in range(4)
-        ], value
+        assert value["ranks_saw"] == ranks_saw(n, world=4), value
         # Hydra's bookkeeping once per job, on its first node
         starts = (app_dir / "sweep" / str(n) / "job_starts.log").read_text().split()
         assert len(starts) == 1 and starts[0] in value["hosts"], starts

@@ -179,9 +179,12 @@ def resumption(mode: Any, sweep_dir: Path, jobs: Sequence[Any], record: Record, 
             return found
     for job in jobs:
         outcome = record.jobs.get(job.idx)
-        if outcome is not None and list(outcome.overrides) == list(job.overrides):
-            if outcome.fingerprint == job.fingerprint:
-                found.recorded[job.idx] = outcome
+        if (
+            outcome is not None
+            and list(outcome.overrides) == list(job.overrides)
+            and outcome.fingerprint == job.fingerprint
+        ):
+            found.recorded[job.idx] = outcome
     for num, outcome in found.recorded.items():
         if outcome.status == COMPLETED:
             returned = load_return(job_dir_of(sweep_dir, outcome), num)
