@@ -203,6 +203,24 @@ def test_rank_killed_by_signal_or_exiting_fails_its_job_and_the_sweep_goes_on(tm
 
 
 @pytest.mark.timeout(180)
+def test_a_job_ends_as_its_ranks_return_not_at_the_agents_next_look(tmp_path: Path) -> None:
+    # torch's agent looks at its ranks every monitor_interval, and a rank whose task returned
+    # waits for it to take its value; a job still ends as its ranks return
+    interval_s = 60
+    result = _sweep(tmp_path, f"hydra.launcher.monitor_interval={interval_s}", "mode=ok,allreduce")
+    sweep_dir = tmp_path / "multirun"
+    starts, ends = _records(sweep_dir, "start"), _records(sweep_dir, "end")
+
+    assert result.returncode == 0, _output(result)
+    for num in (0, 1):
+        assert ends[num]["status"] == "COMPLETED", _output(result)
+        assert ends[num]["value"] == repr({"rank": 0, "job": num}), ends[num]
+        took = ends[num]["t"] - starts[num]["t"]
+        assert took < interval_s / 2, f"job {num} took {took:.1f}s: it waited for the agent's next look"
+    _assert_sweep_left_nothing(sweep_dir)
+
+
+@pytest.mark.timeout(180)
 def test_a_rank_that_left_no_traceback_ends_the_sweep_with_its_last_lines(tmp_path: Path) -> None:
     """A rank killed by a signal or exiting non-zero has no traceback for Hydra's last word:
     its last lines of stderr take its place, shown by default (not only with

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
 from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobPlan, stop_signal_of
+from .._shared.private import MAX_SOCKET_PATH
 from .._shared.private import private_dir as new_private_dir
 from .._shared.stop_files import (
     DUMP_SIGNAL,
@@ -46,6 +48,7 @@ from .._shared.stop_files import (
     RANKS_STARTED_ENV,
     RANKS_STARTED_FILE,
     RESUMED_ENV,
+    RETURNED_SOCKET_ENV,
     STOP_FILE_ENV,
     LiveRank,
     ranks_of,
@@ -61,7 +64,7 @@ from .launch_config import (
     local_world_size,
 )
 from .node_exit import keep_rendezvous_handlers, leave_after_deadline, leave_together
-from .torch_adjustments import adjust_torch_for_this_job
+from .torch_adjustments import adjust_torch_for_this_job, agent_wakes_on
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +141,9 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
         os.environ[RANKS_STARTED_ENV] = str(plan.output_dir / RANKS_STARTED_FILE)
+        returned = _returned_socket(private_dir)
+        if returned is not None:
+            agent_wakes_on(returned)
         os.environ.update(agent_environment(plan.settings))
         stop_forkserver = (
             start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))
@@ -155,8 +161,24 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
                 job.console.close()
         finally:
             stop_forkserver()
+            if returned is not None:
+                returned.close()
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _returned_socket(private_dir: Path) -> Optional[socket.socket]:
+    """The socket on which the job's ranks say their task returned (`_shared.stop_files`),
+    named to them by RETURNED_SOCKET_ENV; none where the private dir's path is too long for
+    a socket's (the agent then sees a return at its next poll, as torch's does)."""
+    address = str(private_dir / "returned")
+    if len(os.fsencode(address)) > MAX_SOCKET_PATH:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.setblocking(False)
+    os.environ[RETURNED_SOCKET_ENV] = address
+    return sock
 
 
 def _decide_on_this_host(plan: JobPlan) -> None:

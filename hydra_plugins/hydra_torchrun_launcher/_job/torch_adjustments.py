@@ -41,6 +41,15 @@ otherwise leaves torch alone, with one warning where a documented promise then d
   rendezvous event records, through two `inspect.stack()` calls that read the source of
   every frame and scan `sys.modules` (about 0.1 s per job on a 2-core machine, more with
   a large app loaded). Here the same name comes from walking the frames.
+- the `time` module as torch's agent module (`agent.server.api`) names it: the agent sleeps
+  `monitor_interval` between its checks of its ranks, and a rank whose task returned waits
+  (in torch's wrapper) for the agent to take its value, so every job ended up to that long
+  (0.1 s) after its task, and a short one a whole interval later: a third of a trivial
+  job's time. Here that sleep (the module's only one) also ends as soon as a rank says its
+  task returned (`_shared.stop_files.tell_task_returned`); torch's wrapper queues the value
+  just after, so the next sleeps are short (1 ms, doubling up to `monitor_interval`) until
+  the agent has it. A failure is seen at the agent's next check, as torch sees it (a
+  failing rank lingers for it: `_rank.worker`).
 - `dynamic_rendezvous._delay` (private), single-node jobs only: before its first round the
   c10d rendezvous sleeps a random 0-0.3 s "to skew the rendezvous attempts across the
   nodes". A single-node job has no other node to skew against; its process skips that
@@ -50,6 +59,8 @@ otherwise leaves torch alone, with one warning where a documented promise then d
 import inspect
 import logging
 import os
+import select
+import socket
 import time
 from datetime import timedelta
 from types import FrameType
@@ -173,6 +184,46 @@ def _cheap_method_names() -> None:
         return frame.f_code.co_name if frame is not None else "no_method_name"
 
     dynamic_rendezvous.get_method_name = get_method_name
+
+
+# after a rank said its task returned, the agent's next sleeps: this long, each next one
+# twice the one before, until the interval's own (torch's wrapper queues the value just after)
+_AFTER_RETURN_FIRST_S = 0.001
+
+
+class _AgentSleep:
+    """The `time` module as torch's agent module sees it, but for `sleep` (see the module's
+    docstring): it also ends when a rank says on `returned` that its task returned."""
+
+    def __init__(self, returned: socket.socket) -> None:
+        self._returned = returned
+        self._short: Optional[float] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        if self._short is not None:
+            seconds, self._short = self._short, (2 * self._short if 2 * self._short < seconds else None)
+        if not select.select([self._returned], [], [], seconds)[0]:
+            return
+        while True:  # every rank that said so since
+            try:
+                self._returned.recv(16)
+            except BlockingIOError:
+                break
+        self._short = _AFTER_RETURN_FIRST_S
+
+
+def agent_wakes_on(returned: socket.socket) -> None:
+    """Torch's agent, in this process, looks at its ranks as soon as one says on `returned`
+    (a bound, non-blocking datagram socket) that its task returned (see the module's docstring)."""
+    from torch.distributed.elastic.agent.server import api
+
+    current = getattr(api, "time", None)
+    if current is time or isinstance(current, _AgentSleep):
+        api.time = _AgentSleep(returned)  # type: ignore[assignment]
+    # else a torch whose agent waits some other way: leave it be
 
 
 def _no_skew_delay() -> None:

@@ -20,14 +20,12 @@ import socket
 from multiprocessing import forkserver
 from typing import Callable, Optional
 
-from .._shared.private import SOCKET_DIR_PARENT, SOCKET_DIR_PREFIX, private_dir
+from .._shared.private import MAX_SOCKET_PATH, SOCKET_DIR_PARENT, SOCKET_DIR_PREFIX, private_dir
 from .._shared.signals import ignored_group_signals, take_dispositions
 
 log = logging.getLogger(__name__)
 
 _CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
-# a Unix socket's path holds at most 107 bytes on Linux (sun_path)
-_MAX_SOCKET_PATH = 100
 
 
 def _supported() -> bool:
@@ -76,7 +74,7 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
     listener = socket.socket(socket.AF_UNIX)
     own_dir = None
     address = os.path.join(socket_dir, "forkserver")
-    if len(os.fsencode(address)) > _MAX_SOCKET_PATH:  # a long TMPDIR: a short private dir of its own
+    if len(os.fsencode(address)) > MAX_SOCKET_PATH:  # a long TMPDIR: a short private dir of its own
         own_dir = private_dir(SOCKET_DIR_PREFIX, SOCKET_DIR_PARENT)
         address = os.path.join(own_dir, "forkserver")
     listener.bind(address)

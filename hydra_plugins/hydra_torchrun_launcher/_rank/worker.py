@@ -35,7 +35,7 @@ from .._shared.lifetime import die_with_parent
 from .._shared.plan import RankPayload
 from .._shared.private import flush_loggers as _flush_loggers
 from .._shared.signals import group_signals
-from .._shared.stop_files import DUMP_SIGNAL, note_rank_process, note_rank_started
+from .._shared.stop_files import DUMP_SIGNAL, note_rank_process, note_rank_started, tell_task_returned
 from .carried_exception import write_rank_exception, write_torch_error_file
 from .forkserver import drop_inherited_forkserver
 from .preloaded import redo_reads_at_import
@@ -105,15 +105,17 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         raise
     finally:
         _flush_loggers()
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return None
-    try:
-        return cloudpickle.dumps(value)
-    except Exception as e:
-        raise TypeError(
-            f"the task function's return value ({type(value).__name__}) cannot be pickled "
-            f"to send it back to the launcher: {e}"
-        ) from e
+    returned = None
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        try:
+            returned = cloudpickle.dumps(value)
+        except Exception as e:
+            raise TypeError(
+                f"the task function's return value ({type(value).__name__}) cannot be pickled "
+                f"to send it back to the launcher: {e}"
+            ) from e
+    tell_task_returned()
+    return returned
 
 
 def _dump_stack_on_request() -> None:

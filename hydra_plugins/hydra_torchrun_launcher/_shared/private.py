@@ -177,6 +177,8 @@ PRIVATE_DIR_PREFIX = "hydra_torchrun_"
 # a forkserver socket's dir of its own when the temp dir's path is too long for a socket
 SOCKET_DIR_PREFIX = "htl-"
 SOCKET_DIR_PARENT = "/tmp"
+# a Unix socket's path holds at most 107 bytes on Linux (sun_path)
+MAX_SOCKET_PATH = 100
 
 
 def _start_time(pid: int) -> Optional[str]:

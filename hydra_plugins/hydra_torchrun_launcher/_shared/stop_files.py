@@ -11,6 +11,9 @@ And `ranks/<pid>` in the same private dir: each rank's process as it starts (its
 local rank, attempt, and whether it dumps its stack on `DUMP_SIGNAL`), so that the job's
 process can name the ranks still running when it stops them, and ask those that can where
 they were (`_job.failure_report.deadline_report`).
+And `returned`, a socket of the job's process: a rank whose task returned says so there, and
+the job's agent looks at its ranks at once instead of at its next poll
+(`_job.torch_adjustments`).
 One more lives in the job dir, where it outlasts the job's process (a launcher killed with
 -9 takes its jobs with it): `.hydra/ranks_started`, made as the job's first rank starts, so a
 resumed sweep knows that the job's ranks ran there (and may have left a checkpoint).
@@ -20,6 +23,7 @@ Imports nothing heavy: the rank-side API and `_rank.main`'s exec stage use it.
 import json
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -32,6 +36,8 @@ RANKS_STARTED_FILE = os.path.join(".hydra", "ranks_started")
 RANKS_STARTED_ENV = "HYDRA_TORCHRUN_RANKS_STARTED_FILE"
 # the dir of the ranks' process files (named to the ranks by env var)
 RANK_PROCESSES_ENV = "HYDRA_TORCHRUN_RANK_PROCESSES"
+# the socket to which a rank says that its task returned (named to the ranks by env var)
+RETURNED_SOCKET_ENV = "HYDRA_TORCHRUN_RETURNED_SOCKET"
 # a rank of the launcher's dumps its Python stack (all threads) to its stderr on this signal:
 # a real-time one, which no library of a training (NCCL, Lightning's SLURM requeue: SIGUSR1)
 # takes for its own, and which the job's process sends only to a rank that registered it
@@ -65,6 +71,19 @@ def note_rank_started() -> None:
     if mark and not os.path.exists(mark):
         os.makedirs(os.path.dirname(mark), exist_ok=True)
         touch(mark)
+
+
+def tell_task_returned() -> None:
+    """Called by a rank whose task returned, just before torch's wrapper queues its value."""
+    address = os.environ.get(RETURNED_SOCKET_ENV)
+    if not address:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        try:
+            sock.sendto(b"r", address)
+        except OSError:
+            pass  # the job's process has stopped listening or is not reading: its agent's next poll sees it
 
 
 @dataclass(frozen=True)
