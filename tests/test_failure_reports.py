@@ -305,18 +305,29 @@ def _end_record(run: Run) -> dict:
 
 
 def test_an_error_of_hydra_s_run_job_outside_the_task_is_the_job_s_error(tmp_path: Path) -> None:
-    """A value of `hydra.job.env_set` that Hydra's run_job cannot resolve (it reads env_set
-    from the hydra node, where `${mode}` is not found) fails the job before its task: the
-    job's error is Hydra's, naming the key, as the basic launcher raises it."""
-    run = _sweep(tmp_path, "mode=ok", "+hydra.job.env_set.FOO=${mode}")
+    """A job log file that Hydra's run_job cannot open (its directory does not exist) fails
+    the job before its task: the job's error is Hydra's, naming the handler, as the basic
+    launcher raises it, not 'exited before reporting a result'."""
+    run = _sweep(tmp_path, "mode=ok", "hydra.job_logging.handlers.file.filename=/nonexistent/job.log")
     assert run.returncode == 1, run.console
     (job,) = run.summary()
     assert job["status"] == "FAILED", job
-    error = (
-        "Hydra's run_job failed outside the task: InterpolationKeyError: Interpolation key 'mode' not found"
-    )
-    assert job["error"].startswith(error) and "hydra.job.env_set.FOO" in job["error"], job["error"]
+    error = "Hydra's run_job failed outside the task: ValueError: Unable to configure handler 'file'"
+    assert job["error"].startswith(error), job["error"]
     assert run.account(0)[0].startswith(error), run.console
+    _left_nothing(run)
+
+
+def test_an_env_set_value_run_job_cannot_resolve_stops_the_sweep_before_any_rank(tmp_path: Path) -> None:
+    """Hydra's run_job resolves `hydra.job.env_set` in the `hydra` node alone, where `${mode}`
+    (a key of the task's config) is not found: the basic launcher's sweep stops there. Here
+    too, before any rank starts, in one line naming the key."""
+    run = _sweep(tmp_path, "mode=ok,allreduce", "+hydra.job.env_set.FOO=${mode}")
+    assert run.returncode == 1, run.console
+    refusal = "job #0 (mode=ok): hydra.job.env_set.FOO: Interpolation key 'mode' not found"
+    assert run.stderr.startswith(refusal + "\n"), run.console
+    assert "Launching" not in run.stdout and "Traceback" not in run.stderr, run.console
+    assert not (run.sweep_dir / "0").exists(), run.console
     _left_nothing(run)
 
 

@@ -552,11 +552,19 @@ def _plan(
             script=script,
         ),
         launch_dir=os.getcwd(),
-        env_set={
-            str(k): str(v)
-            for k, v in (OmegaConf.to_container(config.hydra.job.env_set, resolve=True) or {}).items()
-        },
+        env_set=_env_set(config),
     )
+
+
+def _env_set(config: DictConfig) -> Dict[str, str]:
+    """`hydra.job.env_set`, resolved where Hydra's run_job resolves it: in HydraConfig's copy
+    of the `hydra` node alone, where a value naming a key of the task's config (`${lr}`) is
+    not found, and the basic launcher's sweep stops on it. The copy is made only for a value
+    that interpolates at all."""
+    env_set = config.hydra.job.env_set
+    if any(OmegaConf.is_interpolation(env_set, key) for key in env_set):
+        env_set = OmegaConf.masked_copy(config, "hydra").hydra.job.env_set
+    return {str(k): str(v) for k, v in (OmegaConf.to_container(env_set, resolve=True) or {}).items()}
 
 
 @contextlib.contextmanager

@@ -66,6 +66,12 @@ PRIVATE_NAMES = (
         "single-node c10d jobs keep torch's random 0-0.3 s start-up skew",
     ),
     PrivateName(
+        "torch.distributed.elastic.agent.server.api",
+        "time",  # the module it imported: its one `time.sleep` is the agent's wait between checks
+        "_job.torch_adjustments",
+        "a job ends at torch's agent's next check of its ranks (up to monitor_interval after they return)",
+    ),
+    PrivateName(
         "hydra.core.utils",
         "_flush_loggers",
         "_rank.worker, _job.process",
