@@ -44,6 +44,19 @@ from .watch import watched_import
 
 # what every job process imports anyway: done once here, inherited by every fork
 BASE_PRELOAD = ("torch", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api")
+# and what each job process imported for itself (a few ms a job, counted in a trace): the
+# launcher's callback its request carries, torch's c10d rendezvous store and forkserver ranks,
+# Hydra's callback base and logging set-up, the codec of socket's host names
+JOB_PROCESS_IMPORTS = (
+    "hydra_plugins.hydra_torchrun_launcher._job.process",
+    "hydra_plugins.hydra_torchrun_launcher._launcher.preempt",
+    "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+    "multiprocessing.popen_forkserver",
+    "multiprocessing.queues",
+    "hydra.experimental.callback",
+    "logging.config",
+    "encodings.idna",
+)
 
 # set in the server (and so in every process it forks): Hydra's plugin scan, and where it looked
 PLUGINS: Optional[object] = None
@@ -197,7 +210,7 @@ def _preload(modules: Sequence[str], importing: Callable[[str], None]) -> Dict[s
     """
     import importlib
 
-    for name in (*BASE_PRELOAD, "hydra_plugins.hydra_torchrun_launcher._job.process"):
+    for name in (*BASE_PRELOAD, *JOB_PROCESS_IMPORTS):
         importlib.import_module(name)
     import torch
 
