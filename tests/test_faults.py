@@ -203,11 +203,17 @@ def test_rank_killed_by_signal_or_exiting_fails_its_job_and_the_sweep_goes_on(tm
 
 
 @pytest.mark.timeout(180)
-def test_a_job_ends_as_its_ranks_return_not_at_the_agents_next_look(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tmpdir", ["short", "long"])
+def test_a_job_ends_as_its_ranks_return_not_at_the_agents_next_look(tmp_path: Path, tmpdir: str) -> None:
     # torch's agent looks at its ranks every monitor_interval, and a rank whose task returned
-    # waits for it to take its value; a job still ends as its ranks return
+    # waits for it to take its value; a job still ends as its ranks return, also where the
+    # temp dir's path is too long to hold a socket's
     interval_s = 60
-    result = _sweep(tmp_path, f"hydra.launcher.monitor_interval={interval_s}", "mode=ok,allreduce")
+    temp = tmp_path / ("t" if tmpdir == "short" else "a-temp-dir-" + "x" * 120)
+    temp.mkdir()
+    result = _sweep(
+        tmp_path, f"hydra.launcher.monitor_interval={interval_s}", "mode=ok,allreduce", TMPDIR=str(temp)
+    )
     sweep_dir = tmp_path / "multirun"
     starts, ends = _records(sweep_dir, "start"), _records(sweep_dir, "end")
 
@@ -217,6 +223,23 @@ def test_a_job_ends_as_its_ranks_return_not_at_the_agents_next_look(tmp_path: Pa
         assert ends[num]["value"] == repr({"rank": 0, "job": num}), ends[num]
         took = ends[num]["t"] - starts[num]["t"]
         assert took < interval_s / 2, f"job {num} took {took:.1f}s: it waited for the agent's next look"
+    _assert_sweep_left_nothing(sweep_dir)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_exits_with_code_0_before_its_task_returns_fails_its_job(tmp_path: Path) -> None:
+    # `os._exit(0)` in one rank's task: its value is gone, and torch would wait for it for ever
+    # (job_timeout only keeps a regression from hanging the test)
+    result = _sweep(tmp_path, "mode=fail", "how=exit0", "hydra.launcher.job_timeout=90")
+    sweep_dir = tmp_path / "multirun"
+    ends = _records(sweep_dir, "end")
+
+    assert result.returncode != 0, _output(result)
+    assert ends[0]["status"] == "FAILED", _output(result)
+    first_line = ends[0]["error"].splitlines()[0]
+    assert first_line.startswith("JobFailedError: rank 1 (local_rank 1, pid "), ends[0]["error"]
+    assert first_line.endswith("exited with code 0 before its task returned (os._exit?): its value is lost")
+    _failed_jobs_ranks_stopped(sweep_dir, [0])
     _assert_sweep_left_nothing(sweep_dir)
 
 

@@ -40,8 +40,8 @@ from .._rank.forkserver import start_rank_forkserver
 from .._rank.worker import run_rank
 from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobPlan, stop_signal_of
-from .._shared.private import MAX_SOCKET_PATH
 from .._shared.private import private_dir as new_private_dir
+from .._shared.private import socket_address
 from .._shared.stop_files import (
     DUMP_SIGNAL,
     RANK_PROCESSES_ENV,
@@ -141,9 +141,8 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         if plan.resumed:
             os.environ[RESUMED_ENV] = "1"
         os.environ[RANKS_STARTED_ENV] = str(plan.output_dir / RANKS_STARTED_FILE)
-        returned = _returned_socket(private_dir)
-        if returned is not None:
-            agent_wakes_on(returned)
+        returned, returned_dir = _returned_socket(private_dir)
+        agent_wakes_on(returned)
         os.environ.update(agent_environment(plan.settings))
         stop_forkserver = (
             start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))
@@ -161,24 +160,22 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
                 job.console.close()
         finally:
             stop_forkserver()
-            if returned is not None:
-                returned.close()
+            returned.close()
+            if returned_dir is not None:
+                shutil.rmtree(returned_dir, ignore_errors=True)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
 
 
-def _returned_socket(private_dir: Path) -> Optional[socket.socket]:
+def _returned_socket(private_dir: Path) -> "tuple[socket.socket, Optional[str]]":
     """The socket on which the job's ranks say their task returned (`_shared.stop_files`),
-    named to them by RETURNED_SOCKET_ENV; none where the private dir's path is too long for
-    a socket's (the agent then sees a return at its next poll, as torch's does)."""
-    address = str(private_dir / "returned")
-    if len(os.fsencode(address)) > MAX_SOCKET_PATH:
-        return None
+    named to them by RETURNED_SOCKET_ENV, and the short dir of its own it may be in."""
+    address, own_dir = socket_address(str(private_dir), "returned")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(address)
     sock.setblocking(False)
     os.environ[RETURNED_SOCKET_ENV] = address
-    return sock
+    return sock, own_dir
 
 
 def _decide_on_this_host(plan: JobPlan) -> None:

@@ -170,6 +170,8 @@ def _exit_cause(exitcode: int) -> str:
             return f"was killed by signal {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"was killed by signal {-exitcode}"
+    if exitcode == 0:  # a function rank's process that ended before torch took its value
+        return "exited with code 0 before its task returned (os._exit?): its value is lost"
     return f"exited with code {exitcode}"
 
 

@@ -96,6 +96,8 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
 
     def join(self: Any, timeout: Optional[float] = None, grace_period: Optional[float] = None) -> Any:
         preempt.rank_exits_from(lambda: {i: (p.pid, p.exitcode) for i, p in enumerate(self.processes)})
+        if timeout is not None and timeout < 0:  # the agent's check of its ranks
+            _no_rank_ended_without_its_value(self.processes)
         if grace_period is None:
             failed = {s: i for s, i in self.sentinels.items() if self.processes[i].exitcode not in (None, 0)}
             if failed:
@@ -112,6 +114,24 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
         return original(self, timeout, grace_period)
 
     ProcessContext.join = join  # type: ignore[method-assign]
+
+
+def _no_rank_ended_without_its_value(processes: Any) -> None:
+    """A rank's process ends only once the agent has taken every rank's value (torch's wrapper
+    waits for it), so one that ended with code 0 before (`os._exit(0)` in the task, as scripts
+    do to skip their teardown) took its value with it, and torch would wait for that value
+    for ever: it fails the job instead, naming the rank."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    for index, process in enumerate(processes):
+        if process.exitcode == 0:
+            preempt.ranks_failed({index: (process.pid, 0)})
+            raise ProcessExitedException(
+                f"process {index} exited with code 0 before its task returned",
+                error_index=index,
+                error_pid=process.pid,
+                exit_code=0,
+            )
 
 
 def close_takes_a_timeout() -> bool:

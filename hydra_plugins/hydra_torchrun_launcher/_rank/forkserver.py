@@ -20,7 +20,7 @@ import socket
 from multiprocessing import forkserver
 from typing import Callable, Optional
 
-from .._shared.private import MAX_SOCKET_PATH, SOCKET_DIR_PARENT, SOCKET_DIR_PREFIX, private_dir
+from .._shared.private import socket_address
 from .._shared.signals import ignored_group_signals, take_dispositions
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,7 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
         return lambda: None
     client = forkserver._forkserver  # type: ignore[attr-defined]
     listener = socket.socket(socket.AF_UNIX)
-    own_dir = None
-    address = os.path.join(socket_dir, "forkserver")
-    if len(os.fsencode(address)) > MAX_SOCKET_PATH:  # a long TMPDIR: a short private dir of its own
-        own_dir = private_dir(SOCKET_DIR_PREFIX, SOCKET_DIR_PARENT)
-        address = os.path.join(own_dir, "forkserver")
+    address, own_dir = socket_address(socket_dir, "forkserver")
     listener.bind(address)
     os.chmod(address, 0o600)
     listener.listen()

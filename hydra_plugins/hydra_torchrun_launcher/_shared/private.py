@@ -216,6 +216,17 @@ def private_dir(prefix: str = PRIVATE_DIR_PREFIX, parent: Optional[str] = None) 
     return tempfile.mkdtemp(prefix=f"{prefix}{pid}-{_start_time(pid) or 0}-{_boot() or 'x'}_", dir=parent)
 
 
+def socket_address(directory: str, name: str) -> Tuple[str, Optional[str]]:
+    """Where a Unix socket `name` of this process goes: in its private `directory`, or, where
+    that path is too long for a socket's (a long TMPDIR), in a short private dir of its own
+    under /tmp, returned second for the socket's owner to remove with it."""
+    address = os.path.join(directory, name)
+    if len(os.fsencode(address)) <= MAX_SOCKET_PATH:
+        return address, None
+    own_dir = private_dir(SOCKET_DIR_PREFIX, SOCKET_DIR_PARENT)
+    return os.path.join(own_dir, name), own_dir
+
+
 def _owner(name: str, prefix: str) -> Optional[Tuple[int, str]]:
     """(pid, start time) of the process of this machine's boot whose private dir `name` is;
     None if it names none, or one of another host or boot."""
