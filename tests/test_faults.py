@@ -244,6 +244,16 @@ def test_a_rank_that_exits_with_code_0_before_its_task_returns_fails_its_job(tmp
 
 
 @pytest.mark.timeout(180)
+def test_sys_exit_in_every_rank_s_task_is_a_return_of_none(tmp_path: Path) -> None:
+    # as a script's `sys.exit()` ends its rank successfully under torchrun
+    result = _sweep(tmp_path, "mode=fail", "how=sys_exit", "bad_rank=all", "hydra.launcher.job_timeout=90")
+    ends = _records(tmp_path / "multirun", "end")
+    assert result.returncode == 0, _output(result)
+    assert ends[0]["status"] == "COMPLETED" and ends[0]["value"] == "None", ends[0]
+    _assert_sweep_left_nothing(tmp_path / "multirun")
+
+
+@pytest.mark.timeout(180)
 def test_a_rank_that_left_no_traceback_ends_the_sweep_with_its_last_lines(tmp_path: Path) -> None:
     """A rank killed by a signal or exiting non-zero has no traceback for Hydra's last word:
     its last lines of stderr take its place, shown by default (not only with

@@ -28,9 +28,9 @@ ConfigStore.instance().store(
         # ok | allreduce | fail | sleep | hang | flaky | lock_return | scan
         "mode": "ok",
         # fail: the rank that fails (or "all": every rank), and how: SIGKILL | SIGSEGV | SIGINT |
-        # exit3 | exit0 | raise | interrupt (raises KeyboardInterrupt) | drops (an exception whose
-        # pickling drops its attributes, as pydantic's) | unpicklable | needs_args (its
-        # constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
+        # exit3 | exit0 (os._exit) | sys_exit | raise | interrupt (raises KeyboardInterrupt) |
+        # drops (an exception whose pickling drops its attributes, as pydantic's) | unpicklable |
+        # needs_args (its constructor takes other arguments) | by_rank (rank 0 raises a ValueError, rank 1 a
         # KeyError, ...) | bad_str (its __str__ raises) | huge (a 2 MB message) | app_error
         # (AppError, a class of this script) | none
         "bad_rank": 1,
@@ -142,6 +142,8 @@ def _fail(cfg, rank: int) -> None:
             os._exit(3)
         if cfg.how == "exit0":  # as scripts do to skip their teardown
             os._exit(0)
+        if cfg.how == "sys_exit":  # a script's successful end
+            sys.exit()
         if not cfg.how.startswith("SIG"):
             _raise(cfg.how, rank)
         os.kill(os.getpid(), getattr(signal, cfg.how))

@@ -97,7 +97,7 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
     _enter_execution_whitelist(job.execution_whitelist)
     task = task_function(job.script, job.pickled_task)
     try:
-        value = task(job.task_cfg)
+        value = _returned_by(task, job.task_cfg)
     except BaseException as e:
         if isinstance(e, Exception):
             _tell_failure(e, e.__traceback__.tb_next if e.__traceback__ else None)
@@ -116,6 +116,18 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             ) from e
     tell_task_returned()
     return returned
+
+
+def _returned_by(task: Any, task_cfg: Any) -> Any:
+    """The task's value; `sys.exit()` or `sys.exit(0)` in it is a return of None, as a script's
+    successful end under torchrun (torch's own wrapper takes `sys.exit(0)` so, not `sys.exit()`,
+    whose process would end before the agent has its value)."""
+    try:
+        return task(task_cfg)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+        return None
 
 
 def _dump_stack_on_request() -> None:
