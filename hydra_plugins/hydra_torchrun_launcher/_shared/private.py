@@ -180,7 +180,8 @@ def logs_specs_class(name: str) -> Type[Any]:
 # ------------------------------------------------------------------ private directories
 
 PRIVATE_DIR_PREFIX = "hydra_torchrun_"
-# a forkserver socket's dir of its own when the temp dir's path is too long for a socket
+# a socket's dir of its own (the rank forkserver's, the agent's wake-up) when the temp dir's
+# path is too long for a socket (`socket_address`)
 SOCKET_DIR_PREFIX = "htl-"
 SOCKET_DIR_PARENT = "/tmp"
 # a Unix socket's path holds at most 107 bytes on Linux (sun_path)
