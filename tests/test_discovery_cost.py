@@ -115,3 +115,33 @@ def test_discovered_modules_are_cheap_and_torch_free(tmp_path: Path) -> None:
         f"the plugin's modules take {total} us of their own to import "
         f"(best of {IMPORTTIME_RUNS} runs): {best}"
     )
+
+
+def test_composing_a_sweeps_jobs_builds_the_launcher_config_once() -> None:
+    """Hydra composes every job of a sweep again (the basic sweeper's validation of each
+    batch, then each job) and deep-copies its whole ConfigStore each time: the launcher's
+    config is made into a DictConfig once, not once a job, and no job's copy leaks into
+    the next."""
+    import hydra
+    from hydra import compose, initialize
+    from hydra.core.config_store import ConfigStore
+
+    version_base = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"version_base": "1.3"}
+    with initialize(**version_base, config_path=None):
+        # after initialize: Hydra's plugin scan may import config.py again, storing new entries
+        entry = ConfigStore.instance().repo["hydra"]["launcher"]["torchrun.yaml"]
+        build, builds = entry._build, []
+
+        def counted_build() -> Dict[str, object]:
+            builds.append(1)
+            return build()
+
+        entry._build = counted_build
+        first = compose(
+            overrides=["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=4"], return_hydra_config=True
+        )
+        again = [compose(overrides=["hydra/launcher=torchrun"], return_hydra_config=True) for _ in range(3)]
+    assert len(builds) <= 1, f"the launcher's config was built {len(builds)} times for 4 compositions"
+    assert first.hydra.launcher.nproc_per_node == 4
+    assert [cfg.hydra.launcher.nproc_per_node for cfg in again] == [1, 1, 1]
+    assert again[0].hydra.launcher.max_restarts == 0 and again[0].hydra.launcher.tee == "3"

@@ -12,6 +12,7 @@ LaunchConfig field that carries it, whether it changes what a job computes, whet
 has it on its own (and so `hydra/launcher=torchrun_slurm` too).
 """
 
+import copy
 from dataclasses import MISSING, asdict, dataclass, field, fields, make_dataclass
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -215,28 +216,41 @@ TORCHRUN_FLAGS: Dict[str, str] = described("torchrun")
 
 
 class _BuiltWhenLoaded(ConfigNode):
-    """A ConfigStore entry whose DictConfig is made the first time Hydra loads it.
+    """A ConfigStore entry whose DictConfig is made the first time Hydra loads it, once.
 
     OmegaConf makes a DictConfig of 45 keys in about 3 ms; storing each launcher's config
     that way would cost every run of every app (plugin discovery) that much per launcher,
     though only a run that picks the launcher ever reads it. Hydra's ConfigStore hands out
     `copy(entry)` with `node` deep-copied, so a property in place of the field is all it sees.
+
+    Hydra deep-copies the whole ConfigStore each time it composes a config (its caching
+    repository copies its sources), and composes every job of a sweep again: a deep copy of
+    the entry shares what it built (a list the copies hold), so the DictConfig is made once
+    a process, not once a job. Nothing mutates it: Hydra's `load` hands out a deep copy.
     """
 
     def __init__(self, name: str, build: Callable[[], Dict[str, Any]], group: str, provider: str) -> None:
         self._build = build
-        self._node: Optional[DictConfig] = None
+        self._built: List[DictConfig] = []  # what this entry and its copies built
+        self._node: Optional[DictConfig] = None  # a node set on a copy (Hydra's `load`)
         super().__init__(name=name, node=None, group=group, package=None, provider=provider)  # type: ignore[arg-type]
 
     @property  # type: ignore[override]
     def node(self) -> DictConfig:
-        if self._node is None:
-            self._node = OmegaConf.create(self._build())
-        return self._node
+        if self._node is not None:
+            return self._node
+        if not self._built:
+            self._built.append(OmegaConf.create(self._build()))
+        return self._built[0]
 
     @node.setter
     def node(self, value: Optional[DictConfig]) -> None:
         self._node = value
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_BuiltWhenLoaded":
+        copied = copy.copy(self)
+        copied._node = copy.deepcopy(self._node, memo)
+        return copied
 
 
 def _defaults(conf: type) -> Dict[str, Any]:
