@@ -49,7 +49,7 @@ def _proc_value(path: str, key: str) -> "int | None":
 def run(launcher: str, jobs: int, workdir: Path) -> Dict[str, Any]:
     """One N-job grid sweep under `launcher`."""
     sweep_dir = workdir / f"{launcher}-{jobs}"
-    result = _timed(_argv(launcher, sweep_dir, [f"x=range(0,{jobs})"]), sweep_dir, workdir)
+    result = timed(_argv(launcher, sweep_dir, [f"x=range(0,{jobs})"]), sweep_dir, workdir)
     first = float((sweep_dir / "first_task_started").read_text())
     return {
         "launcher": launcher,
@@ -71,7 +71,7 @@ def run_optuna(launcher: str, trials: int, batch: int, workdir: Path) -> Dict[st
         f"hydra.sweeper.n_jobs={batch}",
         "x=range(0,1000)",
     ]
-    result = _timed(_argv(launcher, sweep_dir, sweep), sweep_dir, workdir)
+    result = timed(_argv(launcher, sweep_dir, sweep), sweep_dir, workdir)
     jobs_s = None
     summary = sweep_dir / "sweep_summary.json"
     if summary.exists():  # this launcher's record: how long each job ran
@@ -100,13 +100,16 @@ def _argv(launcher: str, sweep_dir: Path, sweep: List[str]) -> List[str]:
     return argv
 
 
-def _timed(argv: List[str], sweep_dir: Path, workdir: Path) -> Dict[str, Any]:
-    """Run the command to its end: its wall time, peak RSS and bytes written."""
+def timed(
+    argv: List[str], sweep_dir: Path, workdir: Path, env: "Dict[str, str] | None" = None
+) -> Dict[str, Any]:
+    """Run the command to its end: its wall time, peak RSS and bytes written (its console in
+    `<workdir>/<sweep dir's name>.log`)."""
     log = workdir / f"{sweep_dir.name}.log"
     peak = {"rss_kb": 0, "wchar": 0}
     started = time.time()
     with open(log, "wb") as out:
-        process = subprocess.Popen(argv, cwd=workdir, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
 
         def watch() -> None:
             while process.poll() is None:

@@ -34,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scale import timed  # noqa: E402  (this folder is sys.path's first entry)
+
 from tests.slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
 APP = Path(__file__).resolve().parent / "slurm_submit_app.py"
@@ -136,17 +138,15 @@ def main() -> None:
 
 
 def _detached(command: "list[str]", app: Path, env: "dict[str, str]", jobs: int) -> None:
-    started = time.time()
-    launcher = subprocess.run(
-        [*command, "hydra.launcher.detach=true"], cwd=app, env=env, capture_output=True, text=True
-    )
-    ended = time.time()
-    output = launcher.stdout + launcher.stderr
-    assert launcher.returncode == 0, output[-3000:]
+    """The detached submission, then the same sweep under Hydra's basic launcher (its tasks
+    run in its process, here): the login node's memory under each."""
+    submitted = timed([*command, "hydra.launcher.detach=true"], app / "sweep", app, env)
+    output = (app / "sweep.log").read_text()
     stamped = [line for line in output.splitlines() if line.startswith("[") and "][HYDRA]" in line[:40]]
     first, last = _stamp(stamped[0]), _stamp(stamped[-1])
-    print(f"{jobs} one-node jobs submitted detached, {ended - started:.1f}s in all")
-    print(f"Hydra's own time before the launcher's first line (start-up, validation): {first - started:.1f}s")
+    print(f"{jobs} one-node jobs submitted detached, {submitted['wall_s']:.1f}s in all")
+    hydra_s = first - submitted["started"]
+    print(f"Hydra's own time before the launcher's first line (start-up, validation): {hydra_s:.1f}s")
     print(f"the launcher's, from its first line to its last (compose, check, submit): {last - first:.1f}s")
     tool = str(Path(sys.executable).parent / "torchrun-sweep")
     began = time.time()
@@ -155,6 +155,17 @@ def _detached(command: "list[str]", app: Path, env: "dict[str, str]", jobs: int)
     began = time.time()
     cancel = subprocess.run([tool, "cancel", "sweep"], cwd=app, env=env, capture_output=True, text=True)
     print(f"torchrun-sweep cancel: {time.time() - began:.2f}s; {cancel.stdout.strip()[:200]}")
+    plain = [
+        part
+        for part in command
+        if not part.startswith(("hydra/launcher=", "hydra.launcher.", "+hydra.launcher.", "hydra.sweep.dir="))
+    ]
+    basic = timed([*plain, "hydra/launcher=basic", "hydra.sweep.dir=basic"], app / "basic", app, env)
+    print(
+        f"the launching process's peak RSS: {submitted['peak_rss_mb']} MB submitting detached, "
+        f"{basic['peak_rss_mb']} MB under Hydra's basic launcher running the same {jobs} tasks "
+        f"({basic['wall_s']:.1f}s)"
+    )
 
 
 if __name__ == "__main__":

@@ -484,6 +484,42 @@ def test_quoted_values_a_bare_flag_and_a_changed_working_dir_reach_sbatch_as_mea
     _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
 
 
+def test_what_only_a_node_can_tell_is_decided_on_the_node_not_the_login_node(
+    cluster: SlurmCluster, app_dir: Path
+) -> None:
+    """A login node is not a compute node: a `launch_prefix` program that the job's `setup`
+    lines put on PATH (`module load` does) and nproc_per_node's words (`gpu`: the login node
+    has none) are decided where the job runs, as torchrun decides them there; a node that
+    cannot honour one fails its job, naming the key and the node, and the sweep goes on."""
+    tools = app_dir / "node_tools"
+    tools.mkdir()
+    wrap = tools / "wrap"
+    wrap.write_text('#!/bin/sh\nhostname >> "$WRAPPED_ON"\nexec "$@"\n')
+    wrap.chmod(0o755)
+    assert shutil.which("wrap", path=cluster.env.get("PATH")) is None  # not on the login node's PATH
+    result = _sweep(
+        cluster,
+        app_dir,
+        f"hydra.launcher.setup=['export PATH={tools}:$PATH','export WRAPPED_ON={app_dir}/wrapped_on']",
+        "hydra.launcher.launch_prefix=[wrap]",
+        "hydra.launcher.nproc_per_node=${procs}",
+        "procs=2,gpu",
+        "x=1",
+    )
+    output = result.stdout + result.stderr
+    assert (app_dir / "sweep" / "sweep_summary.json").exists(), output
+    jobs = _summary(app_dir)
+    assert [jobs[n]["status"] for n in range(2)] == ["COMPLETED", "FAILED"], output
+    assert jobs[0]["return_value"]["world"] == 2, jobs[0]
+    # each of job 0's ranks started through the wrapper, on the node SLURM gave the job
+    wrapped_on = (app_dir / "wrapped_on").read_text().split()
+    assert len(wrapped_on) == 2 and set(wrapped_on) == set(jobs[0]["return_value"]["hosts"]), wrapped_on
+    error = jobs[1]["error"]
+    assert "hydra.launcher.nproc_per_node='gpu' is invalid on host node" in error, error
+    assert "Traceback" not in output, output
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+
 def test_a_changed_sweep_after_a_killed_launcher_cancels_the_old_jobs_and_waits_for_its_own(
     cluster: SlurmCluster, app_dir: Path
 ) -> None:

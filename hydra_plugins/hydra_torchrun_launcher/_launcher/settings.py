@@ -81,18 +81,17 @@ def _checked(raw: Dict[str, Any], on_hosts: bool) -> JobSettings:
     )
 
 
-def placed_job_settings(
-    raw: Dict[str, Any], nodes: int, first_node_endpoint: str, on_hosts: bool = False
-) -> JobSettings:
+def placed_job_settings(raw: Dict[str, Any], nodes: int, first_node_endpoint: str) -> JobSettings:
     """The settings of a job that a runner places on `nodes` nodes of its own (SLURM's, the
     hosts'): `raw`, the per-job keys, read as the torchrun launcher reads them, the job's
     rendezvous on its first node; a node count refused is named by the launcher's key, `nodes`.
-    `on_hosts`: what only each host can tell is left to it (`JobSettings.on_hosts`)."""
+    What only each node can tell is left to it (`JobSettings.on_hosts`): the launcher runs
+    elsewhere (a login node without GPUs, a head without the hosts' programs)."""
     raw = dict(raw, nnodes=nodes, cluster="none", preload=[], requeue=False)
     if nodes > 1:
         raw.update(rdzv_backend="c10d", rdzv_endpoint=first_node_endpoint)
     try:
-        return _settings(raw, on_hosts)
+        return _settings(raw, on_hosts=True)
     except LauncherConfigError as e:
         if "nnodes" in str(e):
             raise LauncherConfigError(str(e).replace("nnodes", "nodes")) from None

@@ -25,9 +25,10 @@ class JobSettings:
     max_nodes: int
     rdzv_conf: Dict[str, Any]
     local_ranks_filter: Optional[Set[int]]
-    # the job's nodes are hosts of their own (`torchrun_ssh`): what only a host can tell
-    # (launch_prefix's program on its PATH, nproc_per_node's gpu / cpu / auto / xpu counted by
-    # its torch) is decided by each node's job process there, as torchrun does on each node
+    # the job's nodes are hosts of their own (`torchrun_ssh`'s hosts, SLURM's nodes): what only
+    # a node can tell (launch_prefix's program on its PATH, nproc_per_node's gpu / cpu / auto /
+    # xpu counted by its torch, numa_binding's GPUs) is decided by each node's job process
+    # there, as torchrun does on each node
     on_hosts: bool = False
 
     def changed_from_default(self) -> Dict[str, Any]:
@@ -114,8 +115,8 @@ class JobPlan:
     resumed: bool = False
     # what the job computes (the task's source, its config): a record of the same job has it
     fingerprint: str = ""
-    # the host this node runs on, as ssh knows it (`torchrun_ssh`): named where a setting of
-    # the host's own is refused there
+    # the host this node runs on, as ssh knows it (`torchrun_ssh`), or SLURM's name of the
+    # node: named where a setting of the node's own is refused there
     host: Optional[str] = None
     # when the job's job_timeout ends, as this node's clock reads it (time.time()), where its
     # nodes start at different moments (`torchrun_ssh`): they all stop their ranks then, so

@@ -53,7 +53,7 @@ def split_launcher_config(launcher_cfg: DictConfig, launch_dir: str) -> "tuple[J
         )
     options = ssh_options(ssh, launch_dir)
     # what only a host can tell (launch_prefix's program, nproc_per_node=gpu) is its own to decide
-    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT, on_hosts=True)
+    settings = placed_job_settings(raw, options.nodes, FIRST_HOST_ENDPOINT)
     return settings, options
 
 

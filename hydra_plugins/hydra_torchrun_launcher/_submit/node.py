@@ -38,6 +38,7 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
 import dataclasses
 import logging
 import os
+import socket
 import subprocess
 import sys
 import traceback
@@ -101,6 +102,7 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
     node = int(environ.get("SLURM_NODEID", "0"))
     request = decode_request(read_private(request_file(directory, idx)))
     plan = request.plan
+    plan.host = environ.get("SLURMD_NODENAME") or socket.gethostname()  # named in a refusal here
     job_id = environ["SLURM_JOB_ID"]
     array_id = environ.get("SLURM_ARRAY_JOB_ID") or job_id
     restarts = int(environ.get("SLURM_RESTART_COUNT") or 0)

@@ -640,7 +640,8 @@ def _dry_run(
                 f"\t#{plan.idx} : {' '.join(plan.overrides)}",
                 *([f"\t\trecord:  {recorded.said[plan.idx]}"] if plan.idx in recorded.said else []),
                 f"\t\tjob dir: {plan.output_dir}",
-                f"\t\tranks:   {plan.nproc} per node x {slurm.nodes} node(s), {conf.start_method}",
+                f"\t\tranks:   {plan.nproc or f'{conf.nproc_per_node} (counted on each node)'} per node "
+                f"x {slurm.nodes} node(s), {conf.start_method}",
             ]
         jobs = [plan.idx for plan in group if plan.idx not in recorded.completed]
         if jobs:
