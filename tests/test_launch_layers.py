@@ -170,6 +170,34 @@ def test_launch_prefix_wraps_every_rank_of_a_task(app: Path, tmp_path: Path) -> 
     assert {p.name for p in Path(sweep_dir).rglob("*.pkl")} <= {"job_return.pkl"}
 
 
+def test_a_launch_prefix_that_never_runs_the_task_fails_its_job(app: Path, tmp_path: Path) -> None:
+    """A prefix program that ends without running the command it was given (`true`, a
+    wrapper script without `exec "$@"`) ends every rank with code 0: the task never ran, and
+    the job says so instead of completing with no value."""
+    result = run_app(
+        app,
+        [
+            *MULTIRUN_2_RANKS,
+            "hydra.launcher.launch_prefix=[/bin/true]",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "lr=0.1,0.2",
+        ],
+        cwd=tmp_path,
+        check=False,
+        full_error=False,
+    )
+    output = result.stdout + result.stderr
+    summary = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())["jobs"]
+    assert [job["status"] for job in summary] == ["FAILED", "FAILED"], output
+    said = (
+        "the job's ranks ended with code 0 but never ran the task: "
+        "hydra.launcher.launch_prefix=['/bin/true'] must run the command that follows it"
+    )
+    assert all(said in job["error"] for job in summary), summary
+    assert said in output and "Traceback" not in output, output
+    assert not list(tmp_path.glob("task_*.json"))
+
+
 def test_launch_prefix_keeps_rank_zeros_return_value(tmp_path: Path) -> None:
     app = tmp_path / "app.py"
     app.write_text(

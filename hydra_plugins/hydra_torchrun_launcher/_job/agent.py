@@ -522,13 +522,21 @@ def _leave_together(job: AgentJob, outputs: Dict[int, Any]) -> Any:
     nodes = settings.max_nodes if settings.min_nodes == settings.max_nodes else 0
     has_rank0 = 0 in outputs
     own = _node_return_value(job, outputs)
+    never_ran = own is _TASK_NEVER_RAN
     shared = leave_together(
         plan.rendezvous.backend,
         plan.rendezvous.endpoint,
         plan.rendezvous.run_id,
         nodes,
-        cloudpickle.dumps(own) if has_rank0 else None,
+        cloudpickle.dumps(None if never_ran else own) if has_rank0 else None,
     )
+    if never_ran:
+        prefix = settings.conf.launch_prefix
+        raise job_failed(
+            f"the job's ranks ended with code 0 but never ran the task: "
+            f"hydra.launcher.launch_prefix={list(prefix)!r} must run the command that follows it "
+            "(as numactl and nsys profile do)"
+        )
     if shared is None:
         if nodes > 1 and not has_rank0:
             log.warning(
@@ -556,18 +564,25 @@ def _leave_after_deadline(job: AgentJob) -> None:
     )
 
 
+# what a node's ranks under a launch_prefix returned when none of them ran the task (the
+# prefix's program ended without running the command it was given: `/bin/true`, a wrapper
+# that forgot `exec "$@"`)
+_TASK_NEVER_RAN = object()
+
+
 def _node_return_value(job: AgentJob, outputs: Dict[int, Any]) -> Any:
     """Global rank 0's value; on the other nodes of a multi-node job, their first rank's."""
     if job.plan.settings.conf.training_script is not None:
         return None
     if isinstance(job.entrypoint, str):
-        # return_<attempt>_<rank>.pkl: the last attempt's lowest rank (rank 0 on node 0)
+        # return_<attempt>_<rank>.pkl: the last attempt's lowest rank (rank 0 on node 0);
+        # every local rank 0 that ran its task wrote one, whatever the task returned
         def order(path: Path) -> "tuple[int, int]":
             _, attempt, rank = path.stem.split("_")
             return -int(attempt), int(rank)
 
         returned = sorted(job.private_dir.glob("return_*_*.pkl"), key=order)
-        return cloudpickle.loads(returned[0].read_bytes()) if returned else None
+        return cloudpickle.loads(returned[0].read_bytes()) if returned else _TASK_NEVER_RAN
     pickled = outputs[min(outputs)]
     return None if pickled is None else cloudpickle.loads(pickled)
 
