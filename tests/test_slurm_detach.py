@@ -93,6 +93,33 @@ def test_a_detached_sweep_runs_on_and_the_same_command_comes_back_for_its_result
     _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
 
 
+def test_status_tells_why_a_detached_job_failed_before_any_launcher_came_back(
+    cluster: SlurmCluster,
+    app_dir: Path,  # noqa: F811
+) -> None:
+    """A detached job that failed while no launcher waited: `torchrun-sweep status` names its
+    error as the sweep's record will (its nodes wrote it beside their result), and the
+    command run again records the same."""
+    sweep = ("fail_rank=0", "fail_x=2", "x=1,2")
+    result = _sweep(cluster, app_dir, "hydra.launcher.detach=true", *sweep)
+    assert result.returncode == 0, result.stdout + result.stderr
+    _wait_for(lambda: not _queue(cluster), "empty queue", QUEUE_EMPTIES_S)
+
+    shown = _tool(app_dir, "status", "sweep", "--json", env=_env(cluster.env))
+    assert shown.returncode == 0, shown.stderr
+    jobs = json.loads(shown.stdout)["jobs"]
+    assert [job["state"] for job in jobs] == ["ENDED", "ENDED"], jobs
+    assert jobs[0]["error"] is None, jobs[0]
+    assert "ValueError: rank 0 failed on purpose (x=2)" in jobs[1]["error"], jobs[1]
+    table = _tool(app_dir, "status", "sweep", env=_env(cluster.env))
+    assert "1  ENDED  " in table.stdout and "ValueError: rank 0 failed on pur" in table.stdout, table.stdout
+
+    back = _sweep(cluster, app_dir, *sweep)
+    recorded = _summary(app_dir)
+    assert [recorded[n]["status"] for n in range(2)] == ["COMPLETED", "FAILED"], back.stdout + back.stderr
+    assert recorded[1]["error"] == jobs[1]["error"], (recorded[1]["error"], jobs[1]["error"])
+
+
 def test_a_detached_job_preempted_while_no_launcher_runs_requeues_resumes_and_is_collected(
     cluster: SlurmCluster,
     app_dir: Path,  # noqa: F811

@@ -52,6 +52,13 @@ def failure_file(directory: Path, idx: int, array_id: str, attempt: int) -> Path
     return directory / f"job{idx}.{array_id}.{attempt}.failure"
 
 
+def error_file(directory: Path, idx: int, array_id: str, attempt: int) -> Path:
+    """A failed run's error as the record says it (its summary, as text), beside its result:
+    `torchrun-sweep status` tells it where no launcher has recorded the job's end yet (a
+    detached sweep), without unpickling the app's objects the result may hold."""
+    return directory / f"job{idx}.{array_id}.{attempt}.error"
+
+
 _RUN_FILE = re.compile(r"^job(\d+)\.(\d+)\.(\d+)\.(result|failure)$")
 
 

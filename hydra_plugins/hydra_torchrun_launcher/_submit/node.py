@@ -54,7 +54,7 @@ from .._job.process import decode_request, pickled_return, run_request
 from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
-from .._rank.carried_exception import ACCOUNT_ATTR, account_of
+from .._rank.carried_exception import ACCOUNT_ATTR, account_of, failure_summary
 from .._shared import slurm_commands
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
@@ -62,6 +62,7 @@ from .._shared.slurm_commands import duration_s
 from .._shared.stop_files import RANKS_STARTED_FILE
 from .files import (
     RUN_TIME_ATTR,
+    error_file,
     failure_file,
     read_private,
     replace_private,
@@ -169,6 +170,8 @@ def main(directory: Path, time_limit: "tuple[int, int]", environ: Mapping[str, s
         else:
             job_return = _failed(job_return, refused)
     setattr(job_return, RUN_TIME_ATTR, round(time.time() - _STARTED, 3))
+    if job_return.status == JobStatus.FAILED:  # before the result: a reader of one finds both
+        replace_private(error_file(directory, idx, array_id, restarts), failure_summary(job_return).encode())
     replace_private(result_file(directory, idx, array_id, restarts), pickled_return(job_return))
     # a failed job's other nodes are stopped by srun (--kill-on-bad-exit), not left waiting
     return 1 if job_return.status == JobStatus.FAILED else 0

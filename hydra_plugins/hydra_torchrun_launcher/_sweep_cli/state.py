@@ -26,7 +26,7 @@ from .._shared import slurm_commands
 from .._shared.config_error import LauncherConfigError
 from .._shared.paths import shown_path
 from .._shared.slurm_commands import ENDED_STATES, JobState, SlurmCommandError
-from .._submit.files import SLURM_DIR, latest_runs, read_submitted
+from .._submit.files import SLURM_DIR, error_file, latest_runs, read_submitted
 
 # where the sweep stands as a whole
 RUNNING_STAGE, DETACHED, UNFINISHED_STAGE, ENDED_STAGE = "running", "detached", "unfinished", "ended"
@@ -154,7 +154,7 @@ def read_sweep(sweep_dir: Path) -> SweepView:
             job.nodes = ",".join(outcome.hosts)
         if num in in_flight:
             job.in_flight = True
-            _as_slurm_shows_it(job, in_flight[num], states, runs)
+            _as_slurm_shows_it(job, in_flight[num], states, runs, slurm)
         elif outcome.status == RUNNING:
             on = f" on {job.nodes}" if job.nodes else ""
             if alive is False:
@@ -270,10 +270,14 @@ def squeue(slurm_ids: Iterable[str]) -> Tuple[Optional[Dict[str, JobState]], Opt
 
 
 def _as_slurm_shows_it(
-    job: JobView, slurm_id: str, states: Optional[Dict[str, JobState]], runs: Dict[Tuple[int, str, str], int]
+    job: JobView,
+    slurm_id: str,
+    states: Optional[Dict[str, JobState]],
+    runs: Dict[Tuple[int, str, str], int],
+    slurm: Path,
 ) -> None:
     """A job in flight: SLURM's state of it (one squeue call for the sweep), or what its nodes
-    left (a result the record does not hold yet)."""
+    left (a result the record does not hold yet, and a failed run's error)."""
     job.error = job.return_value = None
     job.elapsed_s = None
     if states is None:
@@ -292,11 +296,16 @@ def _as_slurm_shows_it(
             job.elapsed_s = shown.elapsed_s
             job.note = f"on {shown.nodes}" if shown.nodes else None
         return
-    if (job.num, slurm_id.split("_")[0], "result") in runs:
+    array_id = slurm_id.split("_")[0]
+    if (job.num, array_id, "result") in runs:
         job.state = ENDED
         job.elapsed_s = shown.elapsed_s if shown is not None else None
-        slurm = f"SLURM: {shown.state}{reason}; " if shown is not None else ""
-        job.note = f"{slurm}its result is not in the record yet"
+        said = f"SLURM: {shown.state}{reason}; " if shown is not None else ""
+        job.note = f"{said}its result is not in the record yet"
+        try:
+            job.error = error_file(slurm, job.num, array_id, runs[(job.num, array_id, "result")]).read_text()
+        except FileNotFoundError:  # it completed (or its nodes wrote no error)
+            pass
     elif shown is not None:
         job.state = shown.state
         job.elapsed_s = shown.elapsed_s
