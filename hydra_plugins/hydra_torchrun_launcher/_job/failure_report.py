@@ -471,11 +471,19 @@ def _stack(dump: List[str]) -> "Tuple[List[str], str]":
 
 
 def _apps_own(path: str) -> bool:
-    """Whether a file is the app's own: not in Python's library or an installed package."""
-    return "site-packages" not in path and "dist-packages" not in path and not path.startswith(_STDLIB)
+    """Whether a file is the app's own: not in Python's library, an installed package or this
+    launcher (installed editable, outside site-packages: `preemption.should_stop()`'s
+    collective is where a rank is, the app's loop that called it where the user looks)."""
+    return (
+        "site-packages" not in path
+        and "dist-packages" not in path
+        and not path.startswith(_STDLIB)
+        and not path.startswith(_LAUNCHER_DIR)
+    )
 
 
 _STDLIB = os.path.dirname(os.__file__)
+_LAUNCHER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass
