@@ -10,6 +10,7 @@ launcher killed with -9) are in `test_record.py`, the terminal in `test_console.
 import json
 import logging
 import re
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -179,9 +180,14 @@ def test_the_summary_is_rewritten_every_few_seconds_and_whole_at_the_launchs_end
     while len(rewrites) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(rewrites) == 2 and rewrites[1] == _as_summary(tmp_path)
+    # from here on an event waits for the timer however slow this machine is, but the last
+    monkeypatch.setattr(report_module, "SUMMARY_INTERVAL_S", 3600.0)
     report.started(49)
+    assert len(rewrites) == 2
     report.ended(49, _returned(49), COMPLETED)  # the launch's last job: at once
     assert len(rewrites) == 3 and rewrites[2] == _as_summary(tmp_path) == _summary(tmp_path)
+    # and the timer that waited for the started job's event is gone with it
+    assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
     assert [job["status"] for job in rewrites[2]["jobs"]] == [COMPLETED] * 50
 
 

@@ -308,6 +308,9 @@ class SweepReport:
     def _write_summary(self) -> None:
         with self._summary_lock:  # one rewrite at a time, each of a later snapshot
             self._summary_behind = False
+            timer, self._timer = self._timer, None
+            if timer is not None and timer is not threading.current_thread():
+                timer.cancel()  # what it would have written is in this rewrite
             rows, interrupted = self._rows.copy(), self.interrupted
             record: Dict[str, Any] = {"jobs": [rows[num] for num in sorted(rows)]}
             if interrupted:
