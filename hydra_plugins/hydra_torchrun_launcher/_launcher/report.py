@@ -308,9 +308,11 @@ class SweepReport:
     def _write_summary(self) -> None:
         with self._summary_lock:  # one rewrite at a time, each of a later snapshot
             self._summary_behind = False
+            # a timer still waiting (the timer's own rewrite has let go of it in `_on_timer`):
+            # what it would have written is in this rewrite
             timer, self._timer = self._timer, None
-            if timer is not None and timer is not threading.current_thread():
-                timer.cancel()  # what it would have written is in this rewrite
+            if timer is not None:
+                timer.cancel()
             rows, interrupted = self._rows.copy(), self.interrupted
             record: Dict[str, Any] = {"jobs": [rows[num] for num in sorted(rows)]}
             if interrupted:
