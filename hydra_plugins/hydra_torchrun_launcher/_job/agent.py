@@ -37,7 +37,8 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .._rank.forkserver import start_rank_forkserver
-from .._rank.worker import run_rank
+from .._rank.forkserver import supported as forkserver_supported
+from .._rank.worker import payload_for_ranks, run_rank
 from .._shared.config_error import LauncherConfigError
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import private_dir as new_private_dir
@@ -144,6 +145,8 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         returned, returned_dir = _returned_socket(private_dir)
         agent_wakes_on(returned)
         os.environ.update(agent_environment(plan.settings))
+        # before the forkserver forks: it holds the payload for the ranks it forks
+        rank_payload = payload_for_ranks(plan.payload, forked=_ranks_fork_from_here(conf))
         stop_forkserver = (
             start_rank_forkserver(str(private_dir), ranks_ignore=stop_signal_of(conf))
             if conf.start_method == "forkserver"
@@ -153,7 +156,7 @@ def run_agent_job(plan: JobPlan, devices: Optional[List[str]], task_error: Optio
         # with the job's private dir, not into TMPDIR to stay there (ranks reset it)
         tempfile.tempdir = str(private_dir)
         try:
-            job = build_agent_job(plan, private_dir)
+            job = build_agent_job(plan, private_dir, rank_payload)
             try:
                 return _run_agent(job)
             finally:
@@ -255,8 +258,16 @@ def _label_logged_lines(label: str) -> None:
             handler.addFilter(job_label)
 
 
-def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
-    """The launch config and rank entry point of a job; `private_dir` is the job process's."""
+def _ranks_fork_from_here(conf: Any) -> bool:
+    """Whether the job's ranks run `run_rank` in a process forked from this one's memory."""
+    if conf.training_script is not None or conf.launch_prefix:
+        return False
+    return conf.start_method == "fork" or (conf.start_method == "forkserver" and forkserver_supported())
+
+
+def build_agent_job(plan: JobPlan, private_dir: Path, rank_payload: Optional[bytes]) -> AgentJob:
+    """The launch config and rank entry point of a job; `private_dir` is the job process's;
+    `rank_payload`: what `payload_for_ranks` gave for the job's payload."""
     console = RankConsole()
     try:
         conf = plan.settings.conf
@@ -272,14 +283,12 @@ def build_agent_job(plan: JobPlan, private_dir: Path) -> AgentJob:
         log_dir = Path(job_log_dir(plan))
         earlier = frozenset(log_dir.glob(f"{plan.rendezvous.run_id}_*")) if log_dir.is_dir() else frozenset()
         if conf.training_script is None and not conf.launch_prefix:
-            args = [list(sys.path), cloudpickle.dumps(plan.payload)]
+            args = [list(sys.path), rank_payload]
             return AgentJob(plan, launch_config, run_rank, args, private_dir, console, earlier)
 
         if conf.training_script is None:
             payload_file = private_dir / "payload.pkl"
-            _create_private(
-                payload_file, cloudpickle.dumps((list(sys.path), cloudpickle.dumps(plan.payload)))
-            )
+            _create_private(payload_file, cloudpickle.dumps((list(sys.path), rank_payload)))
             command = [sys.executable, "-m", RANK_MAIN, "task", str(payload_file), str(private_dir)]
         else:
             command = script_command(plan)

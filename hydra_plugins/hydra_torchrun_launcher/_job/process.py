@@ -31,6 +31,7 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 
 from .._rank.carried_exception import ACCOUNT_ATTR, dumps_job_return
+from .._rank.forkserver import reap_stopped
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import flush_loggers as _flush_loggers
@@ -89,13 +90,16 @@ def job_process_main(payload_r: int, result_w: int) -> None:
     with os.fdopen(payload_r, "rb") as f:
         data = f.read()
     try:
-        request = decode_request(data)
-    except Exception as e:  # the job's own failure, told as such: see _unreadable_request
-        job_return = _unreadable_request(e)
-    else:
-        job_return = run_request(request)
-    with os.fdopen(result_w, "wb") as out:
-        out.write(pickled_return(job_return))
+        try:
+            request = decode_request(data)
+        except Exception as e:  # the job's own failure, told as such: see _unreadable_request
+            job_return = _unreadable_request(e)
+        else:
+            job_return = run_request(request)
+        with os.fdopen(result_w, "wb") as out:
+            out.write(pickled_return(job_return))
+    finally:
+        reap_stopped()  # the result is out first: the job has ended
 
 
 def _unreadable_request(error: Exception) -> JobReturn:
@@ -170,8 +174,6 @@ def _run(request: JobRequest) -> JobReturn:
         # set HydraConfig to the job's config: the ranks get its task config and HydraConfig
         # (made here, not by the launcher: a sweep's launcher would pay for them every job)
         payload.task_cfg = task_cfg
-        if not payload.pickled_hydra_config:
-            payload.pickled_hydra_config = cloudpickle.dumps(HydraConfig.instance())
         return run_agent_job(request.plan, request.devices, request.task_error)
 
     job_return = run_job(

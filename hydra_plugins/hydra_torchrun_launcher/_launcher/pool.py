@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import cloudpickle
 from hydra.core.utils import JobReturn
@@ -97,6 +97,8 @@ def run_jobs(
     pool = DevicePool(devices)
     waiting = jobs.next()  # the next job to start, composed ahead of its slot
     running: Dict[int, RunningJob] = {}
+    # job processes whose result has come, still exiting: reaped as the server reports them
+    exiting: Set[int] = set()
     returns: Dict[int, JobReturn] = {}
     selector = selectors.DefaultSelector()
 
@@ -137,7 +139,7 @@ def run_jobs(
                     os.close(finished.result_r)
                     del running[finished.idx]
                     pool.give_back(finished.devices)
-                    returns[finished.idx] = _job_return(server, finished, by_idx[finished.idx])
+                    returns[finished.idx] = _job_return(server, finished, by_idx[finished.idx], exiting)
                     on_end(by_idx.pop(finished.idx), returns[finished.idx], stop.signum is not None)
                 _kill_overdue(running)
             stop.raise_if_stopped()
@@ -148,6 +150,8 @@ def run_jobs(
             for job in running.values():
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
+        for pid in exiting:  # a launch leaves no job process behind
+            server.wait_exit(pid)
         selector.close()
     return returns
 
@@ -163,11 +167,15 @@ def _start(
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 
 
-def _job_return(server: WarmServer, job: RunningJob, plan: JobPlan) -> JobReturn:
-    status = server.wait_exit(job.pid)
+def _job_return(server: WarmServer, job: RunningJob, plan: JobPlan, exiting: Set[int]) -> JobReturn:
+    """The job's JobReturn. A job ends when its result comes: its process, which has only its
+    exit left to do, is reaped later (`exiting`), not waited for; one that ended without a
+    result is waited for, to say how it ended."""
+    server.forget_exited(exiting)
     if job.data:
+        exiting.add(job.pid)
         return cloudpickle.loads(b"".join(job.data))
-    how = process_end(status)
+    how = process_end(server.wait_exit(job.pid))
     lines = [f"the job's process (pid {job.pid}) {how} before reporting a result", *_ranks_output(plan)]
     return failed_return("\n".join(lines))
 

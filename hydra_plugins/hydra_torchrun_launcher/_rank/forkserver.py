@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 from multiprocessing import forkserver
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from .._shared.private import socket_address
 from .._shared.signals import ignored_group_signals, take_dispositions
@@ -27,8 +27,11 @@ log = logging.getLogger(__name__)
 
 _CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
 
+# forkservers told to end whose exit this process has not waited for yet (`reap_stopped`)
+_stopping: List[int] = []
 
-def _supported() -> bool:
+
+def supported() -> bool:
     client = getattr(forkserver, "_forkserver", None)
     if client is None or not all(hasattr(client, name) for name in _CLIENT_ATTRS):
         return False
@@ -64,7 +67,7 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
     `ranks_ignore`: a signal the server and its ranks ignore (the stop signal, which SLURM
     sends to every process of a step: it is the job process's to act on).
     """
-    if not _supported():
+    if not supported():
         log.warning(
             "this Python's multiprocessing.forkserver differs from what the torchrun launcher knows: "
             "ranks start from a fresh forkserver (slower)"
@@ -97,11 +100,19 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
     client._forkserver_pid = pid
 
     def stop() -> None:
+        """End the server; its exit is waited for by `reap_stopped`, once the job's result
+        is out (a process of torch's size takes milliseconds to exit)."""
         drop_inherited_forkserver()  # closing the alive pipe ends the server's loop
-        os.waitpid(pid, 0)
+        _stopping.append(pid)
         if os.path.exists(address):
             os.unlink(address)
         if own_dir is not None:
             os.rmdir(own_dir)
 
     return stop
+
+
+def reap_stopped() -> None:
+    """Wait for the forkservers this process stopped: its last step before it exits."""
+    while _stopping:
+        os.waitpid(_stopping.pop(), 0)

@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import configure_log, setup_globals
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.basecontainer import BaseContainer
 
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import RankPayload
@@ -44,11 +45,33 @@ from .script import fresh_random_state, run_script, script_frames, task_function
 _NODES_AGREE_TIMEOUT = timedelta(seconds=300)
 
 
-def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
+# the job's payload, held by the job's process for ranks forked from its memory
+# (`payload_for_ranks`)
+_FORKED_FROM: Optional[RankPayload] = None
+
+
+def payload_for_ranks(payload: RankPayload, forked: bool) -> Optional[bytes]:
+    """What the job's process passes each rank for `payload`.
+
+    `forked`: the ranks fork from this process's memory as it is now (its own forkserver,
+    forked next, or start_method fork), where run_job has set Hydra's state as the job sees
+    it: they take the payload and that state from there (None), rather than unpickling what
+    this process holds already. Otherwise the payload cloudpickled, with the job's
+    HydraConfig as run_job has set it."""
+    global _FORKED_FROM
+    if forked and isinstance(getattr(BaseContainer, "_resolvers", None), dict):
+        _FORKED_FROM = payload
+        return None
+    if not payload.pickled_hydra_config:
+        payload.pickled_hydra_config = cloudpickle.dumps(HydraConfig.instance())
+    return cloudpickle.dumps(payload)
+
+
+def run_rank(sys_path: List[str], payload: Optional[bytes]) -> Optional[bytes]:
     """Entry point of a rank. Returns local rank 0's return value, cloudpickled.
 
     `sys_path` comes apart from the payload: unpickling a task function that lives in an
-    importable module needs the app's import path first.
+    importable module needs the app's import path first. `payload`: see `payload_for_ranks`.
 
     A KeyboardInterrupt that reaches here (a SIGINT sent to this rank, or raised by the app)
     ends the process by SIGINT, as it ends a Python script that torchrun runs: torch's agent
@@ -69,7 +92,7 @@ def run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         raise  # SIGINT ends the process before this line
 
 
-def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
+def _run_rank(sys_path: List[str], payload: Optional[bytes]) -> Optional[bytes]:
     die_with_parent()
     tempfile.tempdir = None  # the job process's own (its private dir): TMPDIR, as in a fresh interpreter
     drop_inherited_forkserver()
@@ -80,7 +103,10 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
             sys.path.insert(0, entry)
     _match_torch_threads()
     redo_reads_at_import()
-    job: RankPayload = cloudpickle.loads(payload)
+    job: Optional[RankPayload] = _FORKED_FROM if payload is None else cloudpickle.loads(payload)
+    assert job is not None, "a rank started without its payload, and not forked from its job's process"
+    # a rank forked from the job's process keeps its OmegaConf resolvers (the body starts without)
+    resolvers = BaseContainer._resolvers if payload is None else None  # type: ignore[attr-defined]
     if job.stop_signal is not None:
         signal.signal(job.stop_signal, signal.SIG_IGN)
     fresh_random_state()
@@ -91,7 +117,7 @@ def _run_rank(sys_path: List[str], payload: bytes) -> Optional[bytes]:
         raise
     check_nodes_agree(job.job_num, job.overrides)
     setup_globals()
-    Singleton.set_state(hydra_state(job))
+    _take_hydra_state(job, resolvers)
     rank = int(os.environ.get("RANK", "0"))
     configure_log(rank_log_config(job.job_logging, rank), HydraConfig.get().verbose, **_whitelisted(job))
     _enter_execution_whitelist(job.execution_whitelist)
@@ -221,6 +247,18 @@ def rank_log_config(job_logging: Optional[Dict[str, Any]], rank: int) -> Optiona
                 path = Path(handler["filename"])
                 handler["filename"] = str(path.with_name(f"{path.stem}_rank{rank}{path.suffix}"))
     return OmegaConf.create(config)
+
+
+def _take_hydra_state(job: RankPayload, resolvers: Optional[Dict[str, Any]]) -> None:
+    """Hydra's Singleton state as the job's world has it. A rank forked from the job's
+    process has it in memory, but for the resolvers its script's body started without
+    (`resolvers`: put back). Others take it from the payload."""
+    if resolvers is None:
+        Singleton.set_state(hydra_state(job))
+        return
+    BaseContainer._resolvers = resolvers  # type: ignore[attr-defined]
+    if job.pickled_hydra_config:  # a node that writes no `.hydra/`: its ranks see the first node's
+        HydraConfig.instance().cfg = cloudpickle.loads(job.pickled_hydra_config).cfg
 
 
 def hydra_state(payload: RankPayload) -> Dict[str, Any]:

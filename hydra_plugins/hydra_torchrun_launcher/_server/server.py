@@ -361,6 +361,13 @@ class WarmServer:
             self._receive()
         return self.exited.pop(pid)
 
+    def forget_exited(self, pids: Set[int]) -> None:
+        """Drop from `pids` (job processes whose exit nobody waits for) those the server has
+        reported exited so far, and their statuses."""
+        for pid in [pid for pid in pids if pid in self.exited]:
+            del self.exited[pid]
+            pids.discard(pid)
+
     def _receive(self) -> None:
         data = self._sock.recv(4096)
         if not data:
