@@ -31,7 +31,6 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 
 from .._rank.carried_exception import ACCOUNT_ATTR, dumps_job_return
-from .._rank.forkserver import reap_stopped
 from .._shared.lifetime import die_with_parent
 from .._shared.plan import JobPlan, stop_signal_of
 from .._shared.private import flush_loggers as _flush_loggers
@@ -90,16 +89,13 @@ def job_process_main(payload_r: int, result_w: int) -> None:
     with os.fdopen(payload_r, "rb") as f:
         data = f.read()
     try:
-        try:
-            request = decode_request(data)
-        except Exception as e:  # the job's own failure, told as such: see _unreadable_request
-            job_return = _unreadable_request(e)
-        else:
-            job_return = run_request(request)
-        with os.fdopen(result_w, "wb") as out:
-            out.write(pickled_return(job_return))
-    finally:
-        reap_stopped()  # the result is out first: the job has ended
+        request = decode_request(data)
+    except Exception as e:  # the job's own failure, told as such: see _unreadable_request
+        job_return = _unreadable_request(e)
+    else:
+        job_return = run_request(request)
+    with os.fdopen(result_w, "wb") as out:
+        out.write(pickled_return(job_return))
 
 
 def _unreadable_request(error: Exception) -> JobReturn:

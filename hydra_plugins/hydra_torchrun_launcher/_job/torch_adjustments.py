@@ -66,6 +66,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, Dict, Optional, Tuple
 
+from .._rank.forkserver import drop_inherited_forkserver
 from . import preempt
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,12 @@ def _join_within_shutdown_timeout(seconds: float) -> None:
                 # SIGTERM ended before torch looked (torch names the first dead one it finds)
                 self.sentinels = failed
             grace_period = seconds
-        return original(self, timeout, grace_period)
+        finished = original(self, timeout, grace_period)
+        if finished and all(process.exitcode == 0 for process in self.processes):
+            # every rank returned: none will be forked again, so the job's forkserver starts
+            # its exit now, while the agent ends the job, not when the job process stops it
+            drop_inherited_forkserver()
+        return finished
 
     ProcessContext.join = join  # type: ignore[method-assign]
 

@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 from multiprocessing import forkserver
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 from .._shared.private import socket_address
 from .._shared.signals import ignored_group_signals, take_dispositions
@@ -26,9 +26,6 @@ from .._shared.signals import ignored_group_signals, take_dispositions
 log = logging.getLogger(__name__)
 
 _CLIENT_ATTRS = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
-
-# forkservers told to end whose exit this process has not waited for yet (`reap_stopped`)
-_stopping: List[int] = []
 
 
 def supported() -> bool:
@@ -100,19 +97,11 @@ def start_rank_forkserver(socket_dir: str, ranks_ignore: Optional[int] = None) -
     client._forkserver_pid = pid
 
     def stop() -> None:
-        """End the server; its exit is waited for by `reap_stopped`, once the job's result
-        is out (a process of torch's size takes milliseconds to exit)."""
         drop_inherited_forkserver()  # closing the alive pipe ends the server's loop
-        _stopping.append(pid)
+        os.waitpid(pid, 0)
         if os.path.exists(address):
             os.unlink(address)
         if own_dir is not None:
             os.rmdir(own_dir)
 
     return stop
-
-
-def reap_stopped() -> None:
-    """Wait for the forkservers this process stopped: its last step before it exits."""
-    while _stopping:
-        os.waitpid(_stopping.pop(), 0)

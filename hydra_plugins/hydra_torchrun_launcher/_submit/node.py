@@ -55,7 +55,6 @@ from .._launcher.cluster_layout import derived_port
 from .._launcher.cluster_slurm import expand
 from .._launcher.preempt import requeue_slurm_job
 from .._rank.carried_exception import ACCOUNT_ATTR, account_of, failure_summary
-from .._rank.forkserver import reap_stopped
 from .._shared import slurm_commands
 from .._shared.plan import Rendezvous
 from .._shared.private import remove_dead_private_dirs
@@ -240,8 +239,4 @@ def _time_left_s(job_id: str) -> Optional[float]:
 
 
 if __name__ == "__main__":
-    try:
-        code = main(Path(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3])), os.environ)
-    finally:
-        reap_stopped()  # the node's result is out: its job's forkserver is waited for last
-    sys.exit(code)
+    sys.exit(main(Path(sys.argv[1]), (int(sys.argv[2]), int(sys.argv[3])), os.environ))
