@@ -21,7 +21,7 @@ import struct
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
 from hydra.core.hydra_config import HydraConfig
@@ -84,16 +84,19 @@ def decode_request(data: bytes) -> JobRequest:
     return cloudpickle.loads(data[_FRAME.size + head_size :])
 
 
-def job_process_main(payload_r: int, result_w: int) -> None:
+def job_process_main(pipe: Any, result_w: int) -> None:
+    """The job process forked by the warm server: its request from `pipe` (`_server.server.
+    RequestPipe`), the launcher's state taken, then the job once the launcher says go; a
+    job the launcher cancels instead ends here, with no result."""
     die_with_parent()
-    with os.fdopen(payload_r, "rb") as f:
-        data = f.read()
     try:
-        request = decode_request(data)
+        request = decode_request(pipe.request())
     except Exception as e:  # the job's own failure, told as such: see _unreadable_request
-        job_return = _unreadable_request(e)
+        job_return: Optional[JobReturn] = _unreadable_request(e) if pipe.go() else None
     else:
-        job_return = run_request(request)
+        job_return = run_request(request, pipe.go)
+    if job_return is None:
+        return
     with os.fdopen(result_w, "wb") as out:
         out.write(pickled_return(job_return))
 
@@ -113,10 +116,13 @@ def _unreadable_request(error: Exception) -> JobReturn:
     )
 
 
-def run_request(request: JobRequest) -> JobReturn:
+def run_request(request: JobRequest, go: Callable[[], bool] = lambda: True) -> Optional[JobReturn]:
     """Run the job in this process as `request` says: the one path of every job's process,
-    whether forked by the warm server or started on a SLURM node (`_submit.node`)."""
+    whether forked by the warm server or started on a SLURM node (`_submit.node`). `go`: asked
+    once the launcher's state is taken; the job runs if it says so, else None."""
     _take_launcher_state(request)
+    if not go():
+        return None
     try:
         # a stop the launcher sent while this process started was held (the warm server
         # blocks the group signals for its children): it is delivered now

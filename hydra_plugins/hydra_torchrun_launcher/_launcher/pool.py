@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn
 
 from .._job.agent import job_log_dir
 from .._job.failure_report import failed_return, process_end
-from .._server.server import WarmServer
+from .._server.server import PreparedJob, WarmServer
 from .._shared.paths import shown_path
 from .._shared.plan import JobPlan
 from .._shared.signals import send_signal
@@ -99,6 +99,10 @@ def run_jobs(
     running: Dict[int, RunningJob] = {}
     # job processes whose result has come, still exiting: reaped as the server reports them
     exiting: Set[int] = set()
+    # the process of the next job to start (`waiting`), forked and given its request while
+    # the jobs before it run: it reads it and takes the launcher's state meanwhile, and starts
+    # at its go. Only where no devices are shared out (its request names none).
+    ahead: Optional[PreparedJob] = None
     returns: Dict[int, JobReturn] = {}
     selector = selectors.DefaultSelector()
 
@@ -118,7 +122,8 @@ def run_jobs(
                         break
                     job = by_idx[waiting.idx] = waiting
                     on_start(job, taken)
-                    running[job.idx] = _start(server, job, taken, request_for)
+                    running[job.idx] = _start(server, job, taken, request_for, ahead)
+                    ahead = None
                     # a signal that came as it started, after the checks above, reaches it too
                     if stop.signum is not None:
                         send_signal(running[job.idx].pid, stop.signum)
@@ -127,6 +132,8 @@ def run_jobs(
                     selector.register(running[job.idx].result_r, selectors.EVENT_READ, job.idx)
                     # composed while the job just started comes up: ready for the next free slot
                     waiting = jobs.next()
+                if ahead is None and waiting is not None and devices is None and starting:
+                    ahead = server.prepare_job(request_for(waiting, None))
                 if not running:
                     break
                 for key, _ in selector.select(timeout=_next_timeout(running)):
@@ -150,6 +157,10 @@ def run_jobs(
             for job in running.values():
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
+        if ahead is not None:  # a job that will not start now: its process ends unused
+            ahead.cancel()
+            os.close(ahead.result_r)
+            exiting.add(ahead.pid)
         for pid in exiting:  # a launch leaves no job process behind
             server.wait_exit(pid)
         selector.close()
@@ -161,8 +172,14 @@ def _start(
     job: Any,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
+    ahead: Optional[PreparedJob],
 ) -> RunningJob:
-    pid, result_r = server.start_job(request_for(job, devices))
+    """Start `job`: its process prepared `ahead` is told to go, or one is forked now."""
+    if ahead is not None:
+        ahead.go()
+        pid, result_r = ahead.pid, ahead.result_r
+    else:
+        pid, result_r = server.start_job(request_for(job, devices))
     limit = hard_limit_s(job)
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 

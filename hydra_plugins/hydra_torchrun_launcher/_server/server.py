@@ -64,6 +64,9 @@ SCANNED_FOLDERS: List[str] = []
 
 _PID_MESSAGE = struct.Struct("=cqq")  # kind (b"P" started / b"X" exited), pid, wait status
 _REQUEST = b"J"
+# a job process's payload pipe: the request's size, the request, then _GO when the job starts
+_REQUEST_SIZE = struct.Struct("=q")
+_GO = b"G"
 
 _BOOTSTRAP = (
     "import sys; from hydra_plugins.hydra_torchrun_launcher._server.server import serve; "
@@ -163,7 +166,8 @@ def _run_job_process(payload_r: int, result_w: int) -> None:
     try:
         from .._job.process import job_process_main
 
-        job_process_main(payload_r, result_w)
+        with os.fdopen(payload_r, "rb") as payload:
+            job_process_main(RequestPipe(payload), result_w)
     except BaseException:
         # the launcher reports the exit status; the cause goes to the launcher's stderr
         import traceback
@@ -279,6 +283,42 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 # ------------------------------------------------------------------ launcher side
 
 
+class RequestPipe:
+    """A job process's end of its payload pipe (`PreparedJob` writes the other)."""
+
+    def __init__(self, payload: Any) -> None:
+        self._payload = payload
+
+    def request(self) -> bytes:
+        (size,) = _REQUEST_SIZE.unpack(self._payload.read(_REQUEST_SIZE.size))
+        return self._payload.read(size)
+
+    def go(self) -> bool:
+        """Wait for the launcher's go: True, or False where it cancelled the job."""
+        return self._payload.read(len(_GO)) == _GO
+
+
+class PreparedJob:
+    """A job process that has its request and waits for its go: `go` runs the job, `cancel`
+    ends the process without it (it writes no result; the launcher still reaps it)."""
+
+    def __init__(self, pid: int, result_r: int, payload_w: int) -> None:
+        self.pid = pid
+        self.result_r = result_r
+        self.payload_w = payload_w
+
+    def go(self) -> None:
+        try:
+            os.write(self.payload_w, _GO)
+        except BrokenPipeError:  # the process died before its go: its missing result says so
+            pass
+        finally:
+            os.close(self.payload_w)
+
+    def cancel(self) -> None:
+        os.close(self.payload_w)
+
+
 class WarmServer:
     """The launcher's handle on its server: start job processes, learn when they exit."""
 
@@ -338,8 +378,16 @@ class WarmServer:
         return self._process.pid
 
     def start_job(self, request: bytes) -> "tuple[int, int]":
-        """Fork a job process that reads `request` as its payload; its pid, and the pipe's end
-        its result comes back on."""
+        """Fork a job process that runs `request` now; its pid, and the pipe's end its result
+        comes back on."""
+        job = self.prepare_job(request)
+        job.go()
+        return job.pid, job.result_r
+
+    def prepare_job(self, request: bytes) -> "PreparedJob":
+        """Fork a job process that reads `request` and takes the launcher's state, then waits
+        for its go (`PreparedJob`): what a job's process does before its job can be done
+        while an earlier job runs."""
         payload_r, payload_w = os.pipe()
         result_r, result_w = os.pipe()
         try:
@@ -351,9 +399,13 @@ class WarmServer:
         finally:
             os.close(payload_r)
             os.close(result_w)
-        with os.fdopen(payload_w, "wb") as f:
-            f.write(request)
-        return pid, result_r
+        data = memoryview(_REQUEST_SIZE.pack(len(request)) + request)
+        try:
+            while data:
+                data = data[os.write(payload_w, data) :]
+        except BrokenPipeError:  # the process died reading it: its missing result says so
+            pass
+        return PreparedJob(pid, result_r, payload_w)
 
     def wait_exit(self, pid: int) -> int:
         """The wait status of a job process, waiting for the server to report it."""
