@@ -650,7 +650,43 @@ def test_restarted_job_completes_and_keeps_each_attempts_logs(tmp_path: Path) ->
     _assert_sweep_left_nothing(sweep_dir)
 
 
-# --- 7. soak -------------------------------------------------------------------------------
+# --- 7. the next job's process, forked ahead --------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_jobs_run_one_after_another_though_the_next_one_is_forked_ahead(tmp_path: Path) -> None:
+    # the next job's process is forked and reads its request while a job runs: Hydra's
+    # bookkeeping of the next job (its on_job_start) still comes after the job before it ended
+    result = _sweep(tmp_path, "mode=ok", "+x=range(6)")
+    sweep_dir = tmp_path / "multirun"
+    starts, ends = _records(sweep_dir, "start"), _records(sweep_dir, "end")
+    assert result.returncode == 0, _output(result)
+    assert sorted(ends) == list(range(6)), _output(result)
+    for num in range(1, 6):
+        assert ends[num - 1]["t"] <= starts[num]["t"], f"job {num} started before job {num - 1} ended"
+    _assert_sweep_left_nothing(sweep_dir)
+
+
+@pytest.mark.timeout(180)
+def test_a_next_job_whose_process_was_killed_before_it_started_fails_alone(tmp_path: Path) -> None:
+    # job 0 kills the process forked ahead for job 1 (as the OOM killer may, while it waits):
+    # job 1 fails saying so, and the sweep goes on with job 2 in a process of its own
+    result = _sweep(tmp_path, "mode=kill_next", "good_jobs=[1,2]", "+x=0,1,2")
+    sweep_dir = tmp_path / "multirun"
+    killed = int((sweep_dir / "0" / "killed_next").read_text())
+    rows = {row["num"]: row for row in json.loads((sweep_dir / "sweep_summary.json").read_text())["jobs"]}
+    assert result.returncode != 0, _output(result)
+    assert [rows[n]["status"] for n in (0, 1, 2)] == ["COMPLETED", "FAILED", "COMPLETED"], rows
+    assert rows[1]["error"].startswith(
+        f"the job's process (pid {killed}) was killed by signal SIGKILL before reporting a result"
+    ), rows[1]["error"]
+    assert "#1 : mode=kill_next good_jobs=[1,2] +x=1 : FAILED in" in result.stdout, _output(result)
+    assert not (sweep_dir / "1" / "pids").exists()  # its ranks never started
+    assert (sweep_dir / "2" / "done_rank0").exists() and (sweep_dir / "2" / "done_rank1").exists()
+    _assert_sweep_left_nothing(sweep_dir)
+
+
+# --- 8. soak -------------------------------------------------------------------------------
 
 
 @pytest.mark.soak

@@ -25,7 +25,7 @@ VERSION_BASE = {} if hasattr(hydra.errors, "Hydra15MigrationWarning") else {"ver
 ConfigStore.instance().store(
     name="config",
     node={
-        # ok | allreduce | fail | sleep | hang | flaky | lock_return | scan
+        # ok | allreduce | fail | sleep | hang | flaky | lock_return | scan | kill_next
         "mode": "ok",
         # fail: the rank that fails (or "all": every rank), and how: SIGKILL | SIGSEGV | SIGINT |
         # exit3 | exit0 (os._exit) | sys_exit | raise | interrupt (raises KeyboardInterrupt) |
@@ -156,6 +156,29 @@ def _fail(cfg, rank: int) -> None:
         _forever()
 
 
+def _kill_next_job_process() -> int:
+    """SIGKILL, as the OOM killer would, the process the launcher's warm server forked ahead
+    for the next job (the server's child other than this job's own process); its pid."""
+    import psutil
+
+    # the rank, its forkserver and its job process are forks of the server: same command line
+    ancestors = psutil.Process().parents()  # nearest first
+    forks = [p for p in ancestors if "_server.server" in " ".join(p.cmdline())]
+    job_process = forks[-2]  # the server's own child
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        others = [  # not the server's other child, multiprocessing's resource tracker
+            p
+            for p in forks[-1].children()
+            if p.pid != job_process.pid and "_server.server" in " ".join(p.cmdline())
+        ]
+        if others:
+            others[0].kill()
+            return others[0].pid
+        time.sleep(0.05)
+    raise AssertionError("no process was forked ahead for the next job")
+
+
 def _hang(rank: int) -> None:
     """Rank 0 sleeps in Python; every other rank waits for it in a gloo barrier (in C)."""
     import torch.distributed as dist
@@ -213,6 +236,10 @@ def main(cfg):
         mode = "ok"
     if mode == "fail":
         _fail(cfg, rank)
+        mode = "ok"
+    if mode == "kill_next":
+        if rank == 0:
+            (_job_dir() / "killed_next").write_text(str(_kill_next_job_process()))
         mode = "ok"
     if mode == "ok":
         (_job_dir() / f"done_rank{rank}").write_text(os.environ["MASTER_PORT"])

@@ -403,11 +403,26 @@ class _Launch:
         ignored_signals: List[int],
         placed: Optional[Placement] = None,
     ) -> bytes:
+        data, write_job_files = self.request_ahead(plan, devices, environ, ignored_signals, placed)
+        write_job_files()
+        return data
+
+    def request_ahead(
+        self,
+        plan: JobPlan,
+        devices: Optional[List[str]],
+        environ: Dict[str, str],
+        ignored_signals: List[int],
+        placed: Optional[Placement] = None,
+    ) -> "tuple[bytes, Callable[[], None]]":
         config = self.configs.pop(plan.idx)  # kept no longer than needed: a sweep may hold thousands
-        if self.writes:
-            write_rerun_script(plan, config, devices, placed)
-        if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
-            (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
+
+        def write_job_files() -> None:
+            if self.writes:
+                write_rerun_script(plan, config, devices, placed)
+            if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
+                (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
+
         return encode_request(
             JobRequest(
                 plan=plan,
@@ -420,7 +435,7 @@ class _Launch:
                 task_error=self.composer.task_error,
                 bookkeeping=self.writes,
             )
-        )
+        ), write_job_files
 
     def started(self, plan: JobPlan, detail: Optional[str], hosts: Optional[List[str]] = None) -> None:
         line = f"\t{job_title(plan.idx, plan.overrides)}{detail}" if detail is not None else None

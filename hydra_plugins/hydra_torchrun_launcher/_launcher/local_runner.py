@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig, OmegaConf
@@ -121,6 +121,9 @@ class LocalRunner:
         def request_for(plan: JobPlan, devices: Optional[List[str]]) -> bytes:
             return events.request(plan, devices, dict(os.environ), ignored_group_signals())
 
+        def request_ahead_for(plan: JobPlan) -> "tuple[bytes, Callable[[], None]]":
+            return events.request_ahead(plan, None, dict(os.environ), ignored_group_signals())
+
         def on_start(plan: JobPlan, devices: Optional[List[str]]) -> None:
             events.started(plan, f" on devices {','.join(devices)}" if devices is not None else "")
 
@@ -133,6 +136,7 @@ class LocalRunner:
             self.parallel_jobs,
             self.devices,
             request_for,
+            request_ahead_for,
             on_start,
             events.ended,
             self.notice,

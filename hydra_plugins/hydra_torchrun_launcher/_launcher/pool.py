@@ -80,6 +80,7 @@ def run_jobs(
     parallel_jobs: int,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
+    request_ahead_for: Callable[[Any], "tuple[bytes, Callable[[], None]]"],
     on_start: Callable[[Any, Optional[List[str]]], None],
     on_end: Callable[[Any, JobReturn, bool], None],
     notice: StopNotice,
@@ -88,7 +89,9 @@ def run_jobs(
     when a slot is free for it; the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
-    starts; past `hard_limit_s(job)` its process is killed outright.
+    starts; `request_ahead_for(job)`, that of a job whose process is forked ahead, and what
+    to do in its job dir as it starts. Past `hard_limit_s(job)` a job's process is killed
+    outright.
     `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
     starts and ends (`stopped`: it ended after a stop signal). Once `notice` is received (the
     stop signal, or a job preempted), it is passed on to the running jobs and no job starts.
@@ -102,7 +105,7 @@ def run_jobs(
     # the process of the next job to start (`waiting`), forked and given its request while
     # the jobs before it run: it reads it and takes the launcher's state meanwhile, and starts
     # at its go. Only where no devices are shared out (its request names none).
-    ahead: Optional[PreparedJob] = None
+    ahead: Optional[tuple[PreparedJob, Callable[[], None]]] = None
     returns: Dict[int, JobReturn] = {}
     selector = selectors.DefaultSelector()
 
@@ -133,7 +136,8 @@ def run_jobs(
                     # composed while the job just started comes up: ready for the next free slot
                     waiting = jobs.next()
                 if ahead is None and waiting is not None and devices is None and starting:
-                    ahead = server.prepare_job(request_for(waiting, None))
+                    request, write_job_files = request_ahead_for(waiting)
+                    ahead = server.prepare_job(request), write_job_files
                 if not running:
                     break
                 for key, _ in selector.select(timeout=_next_timeout(running)):
@@ -158,9 +162,10 @@ def run_jobs(
                 server.wait_exit(job.pid)
                 os.close(job.result_r)
         if ahead is not None:  # a job that will not start now: its process ends unused
-            ahead.cancel()
-            os.close(ahead.result_r)
-            exiting.add(ahead.pid)
+            prepared, _ = ahead
+            prepared.cancel()
+            os.close(prepared.result_r)
+            exiting.add(prepared.pid)
         for pid in exiting:  # a launch leaves no job process behind
             server.wait_exit(pid)
         selector.close()
@@ -172,12 +177,14 @@ def _start(
     job: Any,
     devices: Optional[List[str]],
     request_for: Callable[[Any, Optional[List[str]]], bytes],
-    ahead: Optional[PreparedJob],
+    ahead: Optional["tuple[PreparedJob, Callable[[], None]]"],
 ) -> RunningJob:
     """Start `job`: its process prepared `ahead` is told to go, or one is forked now."""
     if ahead is not None:
-        ahead.go()
-        pid, result_r = ahead.pid, ahead.result_r
+        prepared, write_job_files = ahead
+        write_job_files()
+        prepared.go()
+        pid, result_r = prepared.pid, prepared.result_r
     else:
         pid, result_r = server.start_job(request_for(job, devices))
     limit = hard_limit_s(job)

@@ -13,7 +13,7 @@ lifecycle).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig
@@ -67,6 +67,18 @@ class JobEvents(Protocol):
         (the launcher's state as it is now); its rerun.sh is written and an earlier run's
         mark of its ranks cleared (unless it continues in its job dir). `placed`: where the
         runner put the job, for its rerun.sh to run it there again (None: on `devices`)."""
+
+    def request_ahead(
+        self,
+        plan: JobPlan,
+        devices: Optional[List[str]],
+        environ: Dict[str, str],
+        ignored_signals: List[int],
+        placed: Optional[Placement] = None,
+    ) -> "tuple[bytes, Callable[[], None]]":
+        """`request`'s, for a job whose process starts before the job does (`_launcher.pool`
+        forks it ahead): the request, and what `request` writes in the job's dir, to call
+        as the job starts (a job that never starts leaves its dir untouched)."""
 
     def started(self, plan: JobPlan, detail: Optional[str], hosts: Optional[List[str]] = None) -> None:
         """The job is handed to its nodes, or taken back from an earlier run: its time counts
