@@ -45,7 +45,7 @@ from .preempt import (
     sigint_ends_the_exit,
 )
 from .report import COMPLETED, FAILED, PREEMPTED, STOPPED, SweepReport, job_title
-from .reproduce import write_rerun_script
+from .reproduce import rerun_script, write_rerun_script
 from .resume import (
     Record,
     config_targets,
@@ -416,10 +416,11 @@ class _Launch:
         placed: Optional[Placement] = None,
     ) -> "tuple[bytes, Callable[[], None]]":
         config = self.configs.pop(plan.idx)  # kept no longer than needed: a sweep may hold thousands
+        rerun = rerun_script(plan, config, devices, placed) if self.writes else None
 
         def write_job_files() -> None:
-            if self.writes:
-                write_rerun_script(plan, config, devices, placed)
+            if rerun is not None:
+                write_rerun_script(plan, rerun)
             if not plan.resumed:  # an earlier run's mark: this run's ranks have not started
                 (plan.output_dir / RANKS_STARTED_FILE).unlink(missing_ok=True)
 

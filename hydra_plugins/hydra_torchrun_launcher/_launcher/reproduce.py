@@ -267,12 +267,11 @@ def plain_torchrun_line(
     return cd + " ".join(bash_word(word) for word in (["env", *shown] if shown else []) + command), missing
 
 
-def write_rerun_script(
-    plan: JobPlan, config: DictConfig, devices: Optional[List[str]], placed: Optional[Placement] = None
-) -> None:
+def write_rerun_script(plan: JobPlan, script: str) -> None:
+    """Write `script` (`rerun_script`'s) as the job's rerun.sh."""
     plan.output_dir.mkdir(parents=True, exist_ok=True)
     path = plan.output_dir / RERUN_SCRIPT
-    path.write_text(rerun_script(plan, config, devices, placed))
+    path.write_text(script)
     # executable by whom the umask lets read it, as `chmod +x` makes it
     mode = path.stat().st_mode
     path.chmod(mode | (mode & (stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)) >> 2)
