@@ -8,7 +8,9 @@ torch) runs under Hydra's basic launcher and under `hydra/launcher=torchrun`
 - sweep: the command's wall time, and per job;
 - peak RSS: the launching process's own peak (VmHWM from /proc, read until it exits: the
   basic launcher's tasks run inside it, this launcher's in processes of their own);
-- written: bytes the launching process wrote (/proc/<pid>/io wchar: the record, the console).
+- written: bytes the launching process wrote (/proc/<pid>/io wchar: the record, the console);
+- and, for this launcher, a job by its own line (`COMPLETED in ...`: from its start to its
+  result): the median and the 10th and 90th percentiles, the first five jobs left out.
 
 With `--optuna TRIALS`, Hydra's Optuna sweeper then runs TRIALS trials of the same task in
 batches of `--optuna-batch` (its `n_jobs`: one `launch()` each) under both launchers. A
@@ -23,6 +25,7 @@ in `sweep_summary.json`), divided by the number of launches.
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +62,23 @@ def run(launcher: str, jobs: int, workdir: Path) -> Dict[str, Any]:
         "per_job_s": round(result["wall_s"] / jobs, 3),
         "peak_rss_mb": result["peak_rss_mb"],
         "written_mb": result["written_mb"],
+        "job_line_s": _job_lines(sweep_dir),
+    }
+
+
+def _job_lines(sweep_dir: Path) -> "Dict[str, float] | None":
+    """This launcher's jobs by their own line (`COMPLETED in ...`, each job's `duration_s`
+    in `sweep_summary.json`), the first five left out: median, 10th and 90th percentiles."""
+    summary = sweep_dir / "sweep_summary.json"
+    if not summary.exists():
+        return None
+    times = sorted(row["duration_s"] for row in json.loads(summary.read_text())["jobs"][5:])
+    if not times:
+        return None
+    return {
+        "median": statistics.median(times),
+        "p10": times[len(times) // 10],
+        "p90": times[len(times) * 9 // 10],
     }
 
 
@@ -167,6 +187,13 @@ def main() -> None:
             f"{r['jobs']:>5} {r['launcher']:<9} {r['first_task_s']:>9.1f}s {r['sweep_s']:>7.1f}s "
             f"{r['per_job_s']:>7.3f}s {r['peak_rss_mb']:>5}MB {r['written_mb']:>6.1f}MB"
         )
+    for r in results:
+        if r["job_line_s"]:
+            line = r["job_line_s"]
+            print(
+                f"N={r['jobs']}: a {r['launcher']} job by its own line: median {line['median']:.3f}s "
+                f"(10th to 90th percentile {line['p10']:.3f}s to {line['p90']:.3f}s)"
+            )
     by = {(r["launcher"], r["jobs"]): r for r in results}
     for jobs in args.jobs:
         if ("basic", jobs) in by and ("torchrun", jobs) in by:
