@@ -6,9 +6,11 @@ inherits the job process's environment and working dir (env_set, chdir, devices)
 torch has set RANK, LOCAL_RANK, ... before `run_rank` runs. The rank then starts as
 torchrun's would (`_rank.script`): a fresh random state, the app's script body run as its
 `__main__` (module-level set-up, `sys.argv`), the task the body defines. Everything else
-the rank needs travels as one `RankPayload`, passed in memory, whose Hydra state (with the
-app's custom OmegaConf resolvers) was pickled with cloudpickle, and so was the task for
-the cases the script does not define by name (lambdas, closures, partials).
+the rank needs is one `RankPayload`: a rank forked from the job process's memory (its
+forkserver, `start_method: fork`) finds it there, with Hydra's state as run_job set it;
+another gets it cloudpickled, Hydra's state (with the app's custom OmegaConf resolvers)
+and, for the cases the script does not define by name (lambdas, closures, partials), the
+task included.
 """
 
 import copy

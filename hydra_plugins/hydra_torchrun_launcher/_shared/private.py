@@ -1,8 +1,8 @@
 """What is private to the launcher: the names of others it relies on, and its own directories.
 
-Private names. Every private name of torch, multiprocessing or Hydra the launcher relies
-on, in one list. A private name can go in any release. Each use is guarded where it is
-made: when the name is missing (or has another shape) the launcher degrades as
+Private names. Every private name of torch, multiprocessing, Hydra or OmegaConf the
+launcher relies on, in one list. A private name can go in any release. Each use is guarded
+where it is made: when the name is missing (or has another shape) the launcher degrades as
 `PRIVATE_NAMES` says, with one clear line where a documented promise no longer holds; it
 never crashes in every rank. `tests/test_private_names.py` checks every entry against the
 installed versions, so CI on the oldest and newest supported releases says when one went
@@ -88,6 +88,12 @@ PRIVATE_NAMES = (
         "Singleton._instances",
         "_rank.worker.with_scanned_plugins (the 'instances' key of Singleton.get_state())",
         "every job process and rank scans Hydra's plugins again (a slower start)",
+    ),
+    PrivateName(
+        "omegaconf.basecontainer",
+        "BaseContainer._resolvers",
+        "_rank.worker (what Singleton.get_state() and set_state() read and write)",
+        "ranks unpickle Hydra's state from their payload, as where they do not fork from the job's process",
     ),
     PrivateName(
         "hydra._internal.callbacks",
