@@ -155,21 +155,28 @@ def run_jobs(
                 _kill_overdue(running)
             stop.raise_if_stopped()
     finally:
-        if running:  # the launcher itself failed: take the running jobs down with it
-            for job in running.values():
-                send_signal(job.pid, signal.SIGKILL)
-            for job in running.values():
-                server.wait_exit(job.pid)
-                os.close(job.result_r)
-        if ahead is not None:  # a job that will not start now: its process ends unused
-            prepared, _ = ahead
-            prepared.cancel()
-            os.close(prepared.result_r)
-            exiting.add(prepared.pid)
-        for pid in exiting:  # a launch leaves no job process behind
-            server.wait_exit(pid)
+        _end_job_processes(server, running, ahead[0] if ahead is not None else None, exiting)
         selector.close()
     return returns
+
+
+def _end_job_processes(
+    server: WarmServer, running: Dict[int, RunningJob], ahead: Optional[PreparedJob], exiting: Set[int]
+) -> None:
+    """As a launch returns or fails, every job process it started has ended: running ones
+    (the launcher itself failed) are killed, the one forked ahead for a job that will not
+    start now ends unused, and each is reaped."""
+    for job in running.values():
+        send_signal(job.pid, signal.SIGKILL)
+    for job in running.values():
+        server.wait_exit(job.pid)
+        os.close(job.result_r)
+    if ahead is not None:
+        ahead.cancel()
+        os.close(ahead.result_r)
+        exiting.add(ahead.pid)
+    for pid in exiting:
+        server.wait_exit(pid)
 
 
 def _start(
