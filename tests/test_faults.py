@@ -686,6 +686,36 @@ def test_a_next_job_whose_process_was_killed_before_it_started_fails_alone(tmp_p
     _assert_sweep_left_nothing(sweep_dir)
 
 
+@pytest.mark.timeout(180)
+def test_a_warm_server_killed_outright_ends_the_sweep_saying_so_once(tmp_path: Path) -> None:
+    # the OOM killer picks the launcher's warm server while a job runs and the next job's
+    # process waits: the launcher ends with the server's death, said once, and nothing is left
+    sweep_dir = tmp_path / "multirun"
+    command = _sweep_command(tmp_path, "mode=sleep", "+x=0,1,2")
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as stderr:
+        launcher = subprocess.Popen(
+            command, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr
+        )
+    try:
+        wait_for(lambda: len(_rank_pids(sweep_dir / "0")) == 2, 120, "job 0's ranks")
+        (server,) = [
+            p for p in psutil.Process(launcher.pid).children() if "_server.server" in " ".join(p.cmdline())
+        ]
+        ours = {launcher.pid} | {p.pid for p in server.children(recursive=True)}
+        server.kill()
+        returncode = launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert returncode != 0
+    said = f"the torchrun launcher's warm server (pid {server.pid}) exited unexpectedly with status -9"
+    assert err.read_text().count(said) == 1, err.read_text()
+    assert "During handling of the above exception" not in err.read_text(), err.read_text()
+    _assert_no_trace(set(_all_rank_pids(sweep_dir)) | ours, ours, time.monotonic() + STOPPED_WITHIN_S)
+
+
 # --- 8. soak -------------------------------------------------------------------------------
 
 

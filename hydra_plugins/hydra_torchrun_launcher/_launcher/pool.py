@@ -165,17 +165,18 @@ def _end_job_processes(
 ) -> None:
     """As a launch returns or fails, every job process it started has ended: running ones
     (the launcher itself failed) are killed, the one forked ahead for a job that will not
-    start now ends unused, and each is reaped."""
+    start now ends unused, and each is reaped. A server that died (killed outright) took
+    them with it: there is nothing left to reap, and its death is the error already raised."""
     for job in running.values():
         send_signal(job.pid, signal.SIGKILL)
-    for job in running.values():
-        server.wait_exit(job.pid)
         os.close(job.result_r)
     if ahead is not None:
         ahead.cancel()
         os.close(ahead.result_r)
-        exiting.add(ahead.pid)
-    for pid in exiting:
+    if not server.alive():
+        return
+    started = [job.pid for job in running.values()] + ([ahead.pid] if ahead is not None else [])
+    for pid in [*started, *exiting]:
         server.wait_exit(pid)
 
 
