@@ -118,11 +118,8 @@ class LocalRunner:
         if self.notice.received:
             return {}
 
-        def request_for(plan: JobPlan, devices: Optional[List[str]]) -> bytes:
-            return events.request(plan, devices, dict(os.environ), ignored_group_signals())
-
-        def request_ahead_for(plan: JobPlan) -> "tuple[bytes, Callable[[], None]]":
-            return events.request_ahead(plan, None, dict(os.environ), ignored_group_signals())
+        def request_for(plan: JobPlan, devices: Optional[List[str]]) -> "tuple[bytes, Callable[[], None]]":
+            return events.request_ahead(plan, devices, dict(os.environ), ignored_group_signals())
 
         def on_start(plan: JobPlan, devices: Optional[List[str]]) -> None:
             events.started(plan, f" on devices {','.join(devices)}" if devices is not None else "")
@@ -136,7 +133,6 @@ class LocalRunner:
             self.parallel_jobs,
             self.devices,
             request_for,
-            request_ahead_for,
             on_start,
             events.ended,
             self.notice,

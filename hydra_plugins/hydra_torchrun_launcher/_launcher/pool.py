@@ -79,8 +79,7 @@ def run_jobs(
     jobs: Any,
     parallel_jobs: int,
     devices: Optional[List[str]],
-    request_for: Callable[[Any, Optional[List[str]]], bytes],
-    request_ahead_for: Callable[[Any], "tuple[bytes, Callable[[], None]]"],
+    request_for: Callable[[Any, Optional[List[str]]], "tuple[bytes, Callable[[], None]]"],
     on_start: Callable[[Any, Optional[List[str]]], None],
     on_end: Callable[[Any, JobReturn, bool], None],
     notice: StopNotice,
@@ -89,7 +88,7 @@ def run_jobs(
     when a slot is free for it; the JobReturns of those that ran, by number.
 
     `request_for(job, devices)` is the encoded request for the job's process, made when it
-    starts; `request_ahead_for(job)`, that of a job whose process is forked ahead, and what
+    starts or, for a job whose process is forked ahead, before (on no devices), and what
     to do in its job dir as it starts. Past `hard_limit_s(job)` a job's process is killed
     outright.
     `on_start(job, devices)` and `on_end(job, job_return, stopped)` are called as each job
@@ -136,7 +135,7 @@ def run_jobs(
                     # composed while the job just started comes up: ready for the next free slot
                     waiting = jobs.next()
                 if ahead is None and waiting is not None and devices is None and starting:
-                    request, write_job_files = request_ahead_for(waiting)
+                    request, write_job_files = request_for(waiting, None)
                     ahead = server.prepare_job(request), write_job_files
                 if not running:
                     break
@@ -184,17 +183,17 @@ def _start(
     server: WarmServer,
     job: Any,
     devices: Optional[List[str]],
-    request_for: Callable[[Any, Optional[List[str]]], bytes],
+    request_for: Callable[[Any, Optional[List[str]]], "tuple[bytes, Callable[[], None]]"],
     ahead: Optional["tuple[PreparedJob, Callable[[], None]]"],
 ) -> RunningJob:
     """Start `job`: its process prepared `ahead` is told to go, or one is forked now."""
-    if ahead is not None:
-        prepared, write_job_files = ahead
-        write_job_files()
-        prepared.go()
-        pid, result_r = prepared.pid, prepared.result_r
-    else:
-        pid, result_r = server.start_job(request_for(job, devices))
+    if ahead is None:
+        request, write_job_files = request_for(job, devices)
+        ahead = server.prepare_job(request), write_job_files
+    prepared, write_job_files = ahead
+    write_job_files()
+    prepared.go()
+    pid, result_r = prepared.pid, prepared.result_r
     limit = hard_limit_s(job)
     return RunningJob(job.idx, pid, result_r, devices, None if limit is None else time.monotonic() + limit)
 

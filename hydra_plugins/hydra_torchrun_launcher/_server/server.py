@@ -180,6 +180,21 @@ def _run_job_process(payload_r: int, result_w: int) -> None:
         os._exit(code)
 
 
+class RequestPipe:
+    """A job process's end of its payload pipe (the launcher's `PreparedJob` writes the other)."""
+
+    def __init__(self, payload: Any) -> None:
+        self._payload = payload
+
+    def request(self) -> bytes:
+        (size,) = _REQUEST_SIZE.unpack(self._payload.read(_REQUEST_SIZE.size))
+        return self._payload.read(size)
+
+    def go(self) -> bool:
+        """Wait for the launcher's go: True, or False where it cancelled the job."""
+        return self._payload.read(len(_GO)) == _GO
+
+
 def _reap(sock: socket.socket, children: Set[int]) -> None:
     while children:
         try:
@@ -281,21 +296,6 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 # ------------------------------------------------------------------ launcher side
-
-
-class RequestPipe:
-    """A job process's end of its payload pipe (`PreparedJob` writes the other)."""
-
-    def __init__(self, payload: Any) -> None:
-        self._payload = payload
-
-    def request(self) -> bytes:
-        (size,) = _REQUEST_SIZE.unpack(self._payload.read(_REQUEST_SIZE.size))
-        return self._payload.read(size)
-
-    def go(self) -> bool:
-        """Wait for the launcher's go: True, or False where it cancelled the job."""
-        return self._payload.read(len(_GO)) == _GO
 
 
 class PreparedJob:
